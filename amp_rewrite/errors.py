@@ -1,0 +1,34 @@
+"""Exception hierarchy; each class carries the CLI exit code of DESIGN §7."""
+from __future__ import annotations
+
+
+class AmpRewriteError(Exception):
+    """Base class. ``exit_code`` is what the CLI returns for it."""
+
+    exit_code = 1
+
+
+class UsageError(AmpRewriteError):
+    """Bad arguments or options (exit 2)."""
+
+    exit_code = 2
+
+
+class RuleFileError(UsageError):
+    """A rule file or rule environment variable is malformed (exit 2)."""
+
+
+class ModelError(AmpRewriteError):
+    """The model is unreadable, invalid or unsupported (exit 3)."""
+
+    exit_code = 3
+
+
+class CaptureError(ModelError):
+    """A torch module could not be captured as a graph (exit 3)."""
+
+
+class ValidationError(AmpRewriteError):
+    """The rewritten model's outputs disagree with the FP32 model's (exit 4)."""
+
+    exit_code = 4
