@@ -1,0 +1,102 @@
+"""Hard constraints (DESIGN §2): which groups are fixed before the min-cut, and why.
+
+Order of precedence: the adapter's own fixes (kept I/O types, ports the schema does not admit
+low, dtypes already low in the model), then user pins (``keep_fp32`` patterns), then the rule
+classes (allow ⇒ low; deny and unlisted ⇒ high), then TF AMP's deny propagation: a gray or clear
+group on a path from a deny group to a gray or deny group through gray/clear groups runs high,
+so a value that came out of ``exp`` is not squeezed into fp16 by a following ``add``.
+"""
+from __future__ import annotations
+
+import fnmatch
+from collections import deque
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+
+from amp_rewrite.core.graph import PrecisionGraph
+from amp_rewrite.core.precision import OpClass, Precision
+from amp_rewrite.core.rules import RuleSet
+
+
+@dataclass(frozen=True)
+class Fix:
+    """A fixed precision with its reason; ``cause`` is the group that forced it, if any."""
+
+    precision: Precision
+    reason: str
+    cause: Hashable | None = None
+
+
+def classify_groups(graph: PrecisionGraph, rules: RuleSet) -> dict[Hashable, OpClass]:
+    """Op class per group: the adapter's override, else the rule file's class."""
+    return {g.key: g.op_class or rules.class_of(g.op_key) for g in graph.groups()}
+
+
+def rule_fixes(graph: PrecisionGraph, rules: RuleSet, classes: dict[Hashable, OpClass],
+               keep_fp32: Iterable[str] = ()) -> dict[Hashable, Fix]:
+    """Fixes from the adapter, user pins and allow/deny classes."""
+    patterns = list(keep_fp32)
+    fixes: dict[Hashable, Fix] = {}
+    for group in graph.groups():
+        fix = _adapter_or_pin_fix(group, patterns) or _class_fix(group, rules, classes[group.key])
+        if fix is not None:
+            fixes[group.key] = fix
+    return fixes
+
+
+def _adapter_or_pin_fix(group, patterns: list[str]) -> Fix | None:
+    if group.fixed is not None:
+        return Fix(group.fixed, group.reason or "fixed by the adapter")
+    for pattern in patterns:
+        if fnmatch.fnmatchcase(group.name, pattern):
+            return Fix(Precision.HIGH, f"pinned to fp32 by keep_fp32 pattern {pattern!r}")
+    return None
+
+
+def _class_fix(group, rules: RuleSet, op_class: OpClass) -> Fix | None:
+    entry = rules.classify(group.op_key)
+    why = f"{entry.reason} [{entry.source}]" if entry else ""
+    if op_class is OpClass.ALLOW:
+        return Fix(Precision.LOW, f"allow: {why}" if why else "allow")
+    if op_class is OpClass.DENY:
+        return Fix(Precision.HIGH, f"deny: {why}" if why else "deny")
+    if op_class is OpClass.UNLISTED:
+        return Fix(Precision.HIGH, f"{group.op_key} is in no rule list: kept fp32 (safe default)")
+    return None
+
+
+def deny_propagation(graph: PrecisionGraph, classes: dict[Hashable, OpClass],
+                     fixes: dict[Hashable, Fix]) -> dict[Hashable, Fix]:
+    """Free gray/clear groups on a deny → (gray|clear)* → (gray|deny) path, fixed high."""
+    is_deny = {k for k, f in fixes.items()
+               if f.precision is Precision.HIGH and classes[k] in (OpClass.DENY, OpClass.UNLISTED)}
+    passable = {OpClass.GRAY, OpClass.CLEAR}
+    # Forward: free gray/clear groups reachable from a deny group, with the first cause seen.
+    reached: dict[Hashable, tuple[Hashable, Hashable]] = {}  # group -> (cause, deny origin)
+    queue = deque((k, k) for k in is_deny)
+    while queue:
+        key, origin = queue.popleft()
+        for nxt in graph.successor_groups(key):
+            if nxt in reached or nxt in fixes or classes[nxt] not in passable:
+                continue
+            reached[nxt] = (key, origin)
+            queue.append((nxt, origin))
+    # Backward inside the reached set: keep those that lead on to a gray or deny group.
+    ends = {k for k in reached if classes[k] is OpClass.GRAY}
+    ends |= {k for k in reached if any(s in is_deny for s in graph.successor_groups(k))}
+    forced = set(ends)
+    queue = deque(ends)
+    while queue:
+        key = queue.popleft()
+        for prev in graph.predecessor_groups(key):
+            if prev in reached and prev not in forced:
+                forced.add(prev)
+                queue.append(prev)
+    return {k: _propagated_fix(graph, *reached[k]) for k in forced}
+
+
+def _propagated_fix(graph: PrecisionGraph, cause: Hashable, origin: Hashable) -> Fix:
+    src = graph.group(origin)
+    return Fix(Precision.HIGH,
+               f"downstream of deny op {src.name} ({src.op_key}) through gray/clear ops: "
+               "its output stays fp32 until an allow op", cause)

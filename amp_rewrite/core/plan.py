@@ -1,0 +1,103 @@
+"""Precision planning: constraints, then exact min-cut placement, then the cast plan.
+
+``plan_precision`` is pure: it reads a PrecisionGraph and returns an immutable PrecisionPlan in
+which every group has a precision and a reason, and every value that some consumer needs in the
+other precision has exactly one CastPlan per target precision.
+"""
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from amp_rewrite.core import constraints, placement
+from amp_rewrite.core.graph import PrecisionGraph
+from amp_rewrite.core.precision import OpClass, Precision
+from amp_rewrite.core.rules import RuleSet
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The precision of one group and why."""
+
+    precision: Precision
+    op_class: OpClass
+    reason: str
+    fixed: bool
+    cause: Hashable | None = None  # the group whose decision forced this one
+
+
+@dataclass(frozen=True)
+class CastPlan:
+    """One Cast of ``value`` to ``to``, shared by ``consumers``."""
+
+    value: Hashable
+    to: Precision
+    consumers: tuple[Hashable, ...]
+
+
+@dataclass(frozen=True)
+class PrecisionPlan:
+    decisions: Mapping[Hashable, Decision]
+    casts: tuple[CastPlan, ...]
+    cast_units: int  # Σ bytes of cast values (unknown sizes count one)
+
+    def precision(self, group: Hashable) -> Precision:
+        return self.decisions[group].precision
+
+    def counts(self) -> dict[Precision, int]:
+        out = dict.fromkeys(Precision, 0)
+        for d in self.decisions.values():
+            out[d.precision] += 1
+        return out
+
+
+def plan_precision(graph: PrecisionGraph, rules: RuleSet, *,
+                   keep_fp32: Iterable[str] = ()) -> PrecisionPlan:
+    """Decide every group's precision and the minimal casts (see module docstring)."""
+    classes = constraints.classify_groups(graph, rules)
+    fixes = constraints.rule_fixes(graph, rules, classes, keep_fp32)
+    fixes.update(constraints.deny_propagation(graph, classes, fixes))
+    fixed = {k: f.precision for k, f in fixes.items()}
+    labels = placement.place(graph, fixed)
+    decisions = {g.key: _decision(g.key, labels[g.key], classes[g.key], fixes.get(g.key))
+                 for g in graph.groups()}
+    casts = plan_casts(graph, labels)
+    units = sum(graph.cost_units(c.value) for c in casts)
+    return PrecisionPlan(MappingProxyType(decisions), casts, units)
+
+
+def _decision(key: Hashable, precision: Precision, op_class: OpClass,
+              fix: constraints.Fix | None) -> Decision:
+    if fix is not None:
+        return Decision(precision, op_class, fix.reason, True, fix.cause)
+    side = "low" if precision is Precision.LOW else "high"
+    return Decision(precision, op_class,
+                    f"{op_class.value}: runs {side} because that needs the fewest cast bytes "
+                    "with its neighbours (exact min-cut)", False)
+
+
+def plan_casts(graph: PrecisionGraph, labels: Mapping[Hashable, Precision]) -> tuple[CastPlan, ...]:
+    """One cast per (value, target precision), shared by the consumers that need it."""
+    casts: list[CastPlan] = []
+    for value in graph.values():
+        producer = graph.producer(value.key)
+        have = labels[producer] if producer is not None else Precision.HIGH
+        wanting: dict[Precision, list[Hashable]] = {}
+        for c in graph.consumers(value.key):
+            if labels[c] is not have:
+                wanting.setdefault(labels[c], []).append(c)
+        casts.extend(CastPlan(value.key, to, tuple(cs)) for to, cs in wanting.items())
+    return tuple(casts)
+
+
+def explain_chain(plan: PrecisionPlan, graph: PrecisionGraph, group: Hashable) -> list[str]:
+    """The reasons behind one group's precision, following causes back to their origin."""
+    lines, seen = [], set()
+    while group is not None and group not in seen:
+        seen.add(group)
+        info, d = graph.group(group), plan.decisions[group]
+        lines.append(f"{info.name} ({info.op_key}{'/' + info.tvar if info.tvar else ''}): "
+                     f"{d.precision.value} — {d.reason}")
+        group = d.cause
+    return lines

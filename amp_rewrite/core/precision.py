@@ -1,0 +1,51 @@
+"""Framework-neutral vocabulary: precisions, op classes and low-precision targets."""
+from __future__ import annotations
+
+import enum
+
+
+class Precision(enum.Enum):
+    """Which side of the mixed-precision split a (node, type-variable) pair runs on."""
+
+    HIGH = "high"  # float32
+    LOW = "low"  # the target: float16 or bfloat16
+
+    def other(self) -> Precision:
+        return Precision.LOW if self is Precision.HIGH else Precision.HIGH
+
+
+class OpClass(enum.Enum):
+    """Rule-file classes (DESIGN §2). UNLISTED ops are treated as DENY and reported."""
+
+    ALLOW = "allow"
+    DENY = "deny"
+    GRAY = "gray"
+    CLEAR = "clear"
+    UNLISTED = "unlisted"
+
+
+class LowDtype(enum.Enum):
+    """The low-precision target; names match numpy/onnx/torch spellings."""
+
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+
+    @classmethod
+    def parse(cls, text: object) -> LowDtype:
+        """Accept 'fp16', 'float16', 'half', 'bf16', 'bfloat16', torch dtypes or a LowDtype."""
+        if isinstance(text, LowDtype):
+            return text
+        key = str(text).lower().removeprefix("torch.")
+        aliases = {"fp16": "float16", "half": "float16", "f16": "float16",
+                   "bf16": "bfloat16"}
+        key = aliases.get(key, key)
+        try:
+            return cls(key)
+        except ValueError:
+            from amp_rewrite.errors import UsageError
+
+            raise UsageError(f"unknown low-precision dtype {text!r}: use fp16 or bf16") from None
+
+    @property
+    def max_finite(self) -> float:
+        return 65504.0 if self is LowDtype.FLOAT16 else 3.3895313892515355e38

@@ -1,0 +1,149 @@
+"""Op-class rule files (DESIGN §3): defaults, overlays, environment variables.
+
+Load order, later wins: the packaged ``rules/<domain>.toml``; each ``--rules`` file; each file in
+``AMP_REWRITE_RULES`` (os.pathsep-separated); then ``AMP_REWRITE_<CLASS>_ADD`` and
+``AMP_REWRITE_<CLASS>_REMOVE`` (comma-separated op keys), ADD before REMOVE.
+"""
+from __future__ import annotations
+
+import importlib.resources
+import os
+import tomllib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from amp_rewrite.core.precision import OpClass
+from amp_rewrite.errors import RuleFileError
+
+SCHEMA_VERSION = 1
+RULE_CLASSES = (OpClass.ALLOW, OpClass.DENY, OpClass.GRAY, OpClass.CLEAR)
+ENV_FILES = "AMP_REWRITE_RULES"
+
+
+@dataclass(frozen=True)
+class RuleEntry:
+    """One op's class, why, and which file or variable said so."""
+
+    op: str
+    op_class: OpClass
+    reason: str
+    source: str
+
+
+class RuleSet:
+    """The effective op → class mapping after all overlays."""
+
+    def __init__(self, entries: Iterable[RuleEntry] = ()) -> None:
+        self._entries: dict[str, RuleEntry] = {e.op: e for e in entries}
+
+    def classify(self, op_key: str) -> RuleEntry | None:
+        return self._entries.get(op_key)
+
+    def class_of(self, op_key: str) -> OpClass:
+        entry = self._entries.get(op_key)
+        return entry.op_class if entry else OpClass.UNLISTED
+
+    def entries(self) -> list[RuleEntry]:
+        return sorted(self._entries.values(), key=lambda e: (e.op_class.value, e.op))
+
+    def ops(self, op_class: OpClass) -> set[str]:
+        return {e.op for e in self._entries.values() if e.op_class is op_class}
+
+    def overlay(self, entries: Iterable[RuleEntry]) -> RuleSet:
+        merged = dict(self._entries)
+        merged.update((e.op, e) for e in entries)
+        return RuleSet(merged.values())
+
+    def without(self, op_class: OpClass, ops: Iterable[str]) -> RuleSet:
+        drop = set(ops)
+        return RuleSet(e for e in self._entries.values()
+                       if not (e.op in drop and e.op_class is op_class))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def default_rules_path(domain: str) -> Path:
+    """Path of the packaged rule file for ``domain`` ('onnx' or 'torch')."""
+    resource = importlib.resources.files("amp_rewrite.rules") / f"{domain}.toml"
+    path = Path(str(resource))
+    if not path.is_file():
+        raise RuleFileError(f"packaged rule file {path} is missing: reinstall amp_rewrite")
+    return path
+
+
+def parse_rule_file(path: str | Path) -> list[RuleEntry]:
+    """Parse and validate one rule file; every problem is a RuleFileError naming file and key."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise RuleFileError(f"{path}: rule file not found") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise RuleFileError(f"{path}: not valid TOML ({e})") from None
+    _check_header(path, data)
+    entries: dict[str, RuleEntry] = {}
+    for class_name, table in data.items():
+        if class_name == "schema":
+            continue
+        op_class = _parse_class(path, class_name, table)
+        for op, reason in table.items():
+            entries[op] = _parse_entry(path, entries, op_class, op, reason)
+    return list(entries.values())
+
+
+def _check_header(path: Path, data: dict) -> None:
+    schema = data.get("schema")
+    if schema != SCHEMA_VERSION:
+        raise RuleFileError(
+            f"{path}: 'schema' must be {SCHEMA_VERSION}, got {schema!r}; "
+            f"add 'schema = {SCHEMA_VERSION}' at the top")
+
+
+def _parse_class(path: Path, class_name: str, table: object) -> OpClass:
+    names = [c.value for c in RULE_CLASSES]
+    if class_name not in names:
+        raise RuleFileError(f"{path}: unknown class [{class_name}]; expected one of {names}")
+    if not isinstance(table, dict):
+        raise RuleFileError(f"{path}: [{class_name}] must be a table of op = \"reason\"")
+    return OpClass(class_name)
+
+
+def _parse_entry(path: Path, seen: dict[str, RuleEntry], op_class: OpClass, op: str,
+                 reason: object) -> RuleEntry:
+    if not isinstance(reason, str) or not reason.strip():
+        raise RuleFileError(
+            f"{path}: [{op_class.value}] {op}: the value must be a non-empty reason string")
+    if op in seen:
+        raise RuleFileError(
+            f"{path}: op {op!r} is in both [{seen[op].op_class.value}] and [{op_class.value}]; "
+            "keep it in one class")
+    return RuleEntry(op, op_class, reason.strip(), str(path))
+
+
+def _env_op_list(env: Mapping[str, str], name: str) -> list[str]:
+    return [op.strip() for op in env.get(name, "").split(",") if op.strip()]
+
+
+def _apply_env(rules: RuleSet, env: Mapping[str, str]) -> RuleSet:
+    for op_class in RULE_CLASSES:
+        name = f"AMP_REWRITE_{op_class.value.upper()}_ADD"
+        added = [RuleEntry(op, op_class, f"added by ${name}", f"${name}")
+                 for op in _env_op_list(env, name)]
+        rules = rules.overlay(added)
+    for op_class in RULE_CLASSES:
+        name = f"AMP_REWRITE_{op_class.value.upper()}_REMOVE"
+        rules = rules.without(op_class, _env_op_list(env, name))
+    return rules
+
+
+def load_rules(domain: str, extra_files: Iterable[str | Path] = (),
+               env: Mapping[str, str] | None = None) -> RuleSet:
+    """The effective rules for ``domain`` ('onnx' or 'torch'), overlays and env applied."""
+    env = os.environ if env is None else env
+    rules = RuleSet(parse_rule_file(default_rules_path(domain)))
+    env_files = [p for p in env.get(ENV_FILES, "").split(os.pathsep) if p]
+    for path in [*extra_files, *env_files]:
+        rules = rules.overlay(parse_rule_file(path))
+    return _apply_env(rules, env)

@@ -1,0 +1,489 @@
+"""A zoo of real ``transformers`` architectures with tiny configs and seeded random weights.
+
+Tests and benchmarks of both adapters (ONNX and torch.fx) need real models, not toy graphs:
+real attention with masks, LayerNorm/RMSNorm, relative position buckets, windowed attention,
+depthwise convs, group norm, interpolation.  Every model here is built from a ``transformers``
+config (no downloads), shrunk to hidden sizes of 16-64, two layers and 32x32/64x64 images or
+16-token sequences, so exporting and running one takes seconds.
+
+``import amp_rewrite.zoo`` is cheap: torch, transformers and onnx are imported only inside
+functions.
+
+Each model is wrapped so that it takes plain tensors (positional, in forward-signature order)
+and returns a tensor or a tuple of tensors; the wrapper's parameter names (``input_ids``,
+``pixel_values``, ...) become the ONNX graph input names.  Attention uses the ``eager``
+implementation by default, so the softmax, masking and scaling are explicit ops in both the fx
+graph and the ONNX graph (``attn_implementation="sdpa"`` gives fused SDPA calls instead).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import inspect
+import logging
+import os
+import tempfile
+from collections.abc import Callable
+from importlib import metadata
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from amp_rewrite.errors import CaptureError, UsageError
+
+if TYPE_CHECKING:
+    import numpy as np
+    import onnx
+    import torch
+
+log = logging.getLogger(__name__)
+
+# Bump when a config, an input or a wrapper changes, so cached exports are not reused.
+ZOO_VERSION = 1
+DEFAULT_OPSET = 18
+
+_VOCAB = 128
+_SEQ = 16
+_DEC_SEQ = 8
+_IMAGE = 32
+
+
+@dataclasses.dataclass
+class ZooModel:
+    """A zoo model ready to run as ``module(*args, **kwargs)``."""
+
+    name: str
+    module: torch.nn.Module  # eval mode, float32
+    args: tuple
+    kwargs: dict
+    description: str
+
+    def run(self) -> Any:
+        """Forward pass without autograd."""
+        import torch
+
+        with torch.no_grad():
+            return self.module(*self.args, **self.kwargs)
+
+    def input_names(self) -> list[str]:
+        """Forward-signature names of the inputs, in order (the ONNX input names)."""
+        bound = inspect.signature(self.module.forward).bind(*self.args, **self.kwargs)
+        return list(bound.arguments)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    """How to build one zoo model: the HF model, its wrapper kind and its inputs."""
+
+    make: Callable[[str], torch.nn.Module]  # attn_implementation -> HF model
+    kind: str  # wrapper signature, see _wrapper_types()
+    inputs: Callable[[torch.Generator, int], tuple]  # (generator, batch) -> positional args
+    description: str
+    picks: tuple[int, ...] = (0,)  # which entries of the HF output tuple to return
+    extra: tuple[tuple[str, Any], ...] = ()  # constant keyword arguments of the HF call
+
+
+# ----------------------------------------------------------------------------- wrappers
+
+
+@functools.cache
+def _wrapper_types() -> dict[str, type]:
+    """Wrapper classes, keyed by input signature; defined lazily so torch loads lazily."""
+    import torch
+
+    class _Wrapper(torch.nn.Module):
+        """Calls the HF model with return_dict=False and returns the picked outputs."""
+
+        def __init__(self, model: torch.nn.Module, picks: tuple[int, ...], extra: dict) -> None:
+            super().__init__()
+            self.model = model
+            self.picks = picks
+            self.extra = extra
+
+        def _call(self, **inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+            out = self.model(**inputs, **self.extra, return_dict=False)
+            if isinstance(out, torch.Tensor):  # e.g. models that ignore return_dict
+                out = (out,)
+            picked = tuple(out[i] for i in self.picks)
+            return picked[0] if len(picked) == 1 else picked
+
+    class Text(_Wrapper):
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):  # noqa: D102
+            return self._call(input_ids=input_ids, attention_mask=attention_mask)
+
+    class Seq2Seq(_Wrapper):
+        def forward(  # noqa: D102
+            self,
+            input_ids: torch.Tensor,
+            attention_mask: torch.Tensor,
+            decoder_input_ids: torch.Tensor,
+        ):
+            return self._call(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                decoder_input_ids=decoder_input_ids,
+            )
+
+    class Image(_Wrapper):
+        def forward(self, pixel_values: torch.Tensor):  # noqa: D102
+            return self._call(pixel_values=pixel_values)
+
+    class AudioFeatures(_Wrapper):
+        def forward(self, input_features: torch.Tensor):  # noqa: D102
+            return self._call(input_features=input_features)
+
+    class AudioValues(_Wrapper):
+        def forward(self, input_values: torch.Tensor):  # noqa: D102
+            return self._call(input_values=input_values)
+
+    return {
+        "text": Text,
+        "seq2seq": Seq2Seq,
+        "image": Image,
+        "audio_features": AudioFeatures,
+        "audio_values": AudioValues,
+    }
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def _tokens(g: torch.Generator, batch: int, seq: int) -> torch.Tensor:
+    import torch
+
+    # Ids >= 4 avoid the special tokens (pad/bos/eos/unk) whose ids some models treat
+    # specially (RoBERTa's position ids skip padding tokens).
+    return torch.randint(4, _VOCAB, (batch, seq), generator=g, dtype=torch.int64)
+
+
+def _mask(batch: int, seq: int) -> torch.Tensor:
+    import torch
+
+    # Right-pad the last sequence so the mask really masks something, while every query row
+    # (causal ones included) still sees at least one real token.
+    mask = torch.ones(batch, seq, dtype=torch.int64)
+    mask[-1, seq - seq // 4 :] = 0
+    return mask
+
+
+def _text_inputs(g: torch.Generator, batch: int) -> tuple:
+    return (_tokens(g, batch, _SEQ), _mask(batch, _SEQ))
+
+
+def _seq2seq_inputs(g: torch.Generator, batch: int) -> tuple:
+    return (_tokens(g, batch, _SEQ), _mask(batch, _SEQ), _tokens(g, batch, _DEC_SEQ))
+
+
+def _image_inputs(size: int) -> Callable[[torch.Generator, int], tuple]:
+    def inputs(g: torch.Generator, batch: int) -> tuple:
+        import torch
+
+        return (torch.randn(batch, 3, size, size, generator=g),)
+
+    return inputs
+
+
+def _randn_inputs(*shape: int) -> Callable[[torch.Generator, int], tuple]:
+    def inputs(g: torch.Generator, batch: int) -> tuple:
+        import torch
+
+        return (torch.randn(batch, *shape, generator=g),)
+
+    return inputs
+
+
+# ----------------------------------------------------------------------------- models
+# Shared tiny transformer sizes: hidden 32, 4 heads, MLP 64, two layers.
+_TINY = {"num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64}
+
+
+def _hf(cls_name: str, config_name: str, **config: Any) -> Callable[[str], torch.nn.Module]:
+    """A maker that builds ``transformers.<cls_name>(<config_name>(**config))``."""
+
+    def make(attn: str) -> torch.nn.Module:
+        import transformers
+
+        cfg = getattr(transformers, config_name)(attn_implementation=attn, **config)
+        return getattr(transformers, cls_name)(cfg)
+
+    return make
+
+
+def _whisper_encoder(attn: str) -> torch.nn.Module:
+    import transformers
+
+    cfg = transformers.WhisperConfig(
+        attn_implementation=attn, vocab_size=_VOCAB, num_mel_bins=16, d_model=32,
+        encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=64,
+        decoder_layers=1, decoder_attention_heads=4, decoder_ffn_dim=64,
+        max_source_positions=16, max_target_positions=16,
+    )  # fmt: skip
+    return transformers.WhisperModel(cfg).get_encoder()
+
+
+_SPECS: dict[str, _Spec] = {
+    "bert": _Spec(
+        _hf("BertModel", "BertConfig", vocab_size=_VOCAB, hidden_size=32, **_TINY,
+            max_position_embeddings=64),
+        "text", _text_inputs,
+        "BERT encoder; returns last hidden state and tanh pooler output",
+        picks=(0, 1),
+    ),
+    "roberta": _Spec(
+        _hf("RobertaForSequenceClassification", "RobertaConfig", vocab_size=_VOCAB,
+            hidden_size=32, **_TINY, max_position_embeddings=66, num_labels=3),
+        "text", _text_inputs,
+        "RoBERTa sequence classifier (padding-aware position ids); returns logits",
+    ),
+    "distilbert": _Spec(
+        _hf("DistilBertModel", "DistilBertConfig", vocab_size=_VOCAB, dim=32, n_layers=2,
+            n_heads=4, hidden_dim=64, max_position_embeddings=64),
+        "text", _text_inputs,
+        "DistilBERT encoder; returns last hidden state",
+    ),
+    "gpt2": _Spec(
+        _hf("GPT2LMHeadModel", "GPT2Config", vocab_size=_VOCAB, n_positions=64, n_embd=32,
+            n_layer=2, n_head=4),
+        "text", _text_inputs,
+        "GPT-2 causal LM (Conv1D projections, tanh GELU); returns logits",
+        extra=(("use_cache", False),),
+    ),
+    "llama": _Spec(
+        _hf("LlamaForCausalLM", "LlamaConfig", vocab_size=_VOCAB, hidden_size=32, **_TINY,
+            num_key_value_heads=2, max_position_embeddings=64),
+        "text", _text_inputs,
+        "Llama causal LM (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU); "
+        "returns logits",
+        extra=(("use_cache", False),),
+    ),
+    "t5": _Spec(
+        _hf("T5ForConditionalGeneration", "T5Config", vocab_size=_VOCAB, d_model=32, d_kv=8,
+            d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+            relative_attention_num_buckets=8, decoder_start_token_id=0),
+        "seq2seq", _seq2seq_inputs,
+        "T5 encoder-decoder (RMS layer norm, relative position buckets); returns logits",
+        extra=(("use_cache", False),),
+    ),
+    "bart": _Spec(
+        _hf("BartForConditionalGeneration", "BartConfig", vocab_size=_VOCAB, d_model=32,
+            encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+            max_position_embeddings=64),
+        "seq2seq", _seq2seq_inputs,
+        "BART encoder-decoder with cross-attention; returns logits",
+        extra=(("use_cache", False),),
+    ),
+    "vit": _Spec(
+        _hf("ViTForImageClassification", "ViTConfig", image_size=_IMAGE, patch_size=8,
+            hidden_size=32, **_TINY, num_labels=10),
+        "image", _image_inputs(_IMAGE),
+        "ViT image classifier on 32x32 images, 8x8 patches; returns logits",
+    ),
+    "deit": _Spec(
+        _hf("DeiTForImageClassificationWithTeacher", "DeiTConfig", image_size=_IMAGE,
+            patch_size=8, hidden_size=32, **_TINY, num_labels=10),
+        "image", _image_inputs(_IMAGE),
+        "DeiT with distillation token (two heads averaged); returns logits",
+    ),
+    "swin": _Spec(
+        _hf("SwinForImageClassification", "SwinConfig", image_size=_IMAGE, patch_size=2,
+            embed_dim=16, depths=[1, 1], num_heads=[2, 4], window_size=4, mlp_ratio=2.0,
+            num_labels=10),
+        "image", _image_inputs(_IMAGE),
+        "Swin transformer (shifted-window attention, patch merging); returns logits",
+    ),
+    "resnet": _Spec(
+        _hf("ResNetForImageClassification", "ResNetConfig", embedding_size=16,
+            hidden_sizes=[32, 64], depths=[1, 1], layer_type="bottleneck", num_labels=10),
+        "image", _image_inputs(_IMAGE),
+        "ResNet with bottleneck blocks and batch norm; returns logits",
+    ),
+    "convnext": _Spec(
+        _hf("ConvNextForImageClassification", "ConvNextConfig", patch_size=4, num_stages=2,
+            hidden_sizes=[16, 32], depths=[1, 1], num_labels=10),
+        "image", _image_inputs(_IMAGE),
+        "ConvNeXt (7x7 depthwise convs, channels-last LayerNorm, layer scale); returns logits",
+    ),
+    "mobilenet_v2": _Spec(
+        _hf("MobileNetV2ForImageClassification", "MobileNetV2Config", image_size=_IMAGE,
+            depth_multiplier=0.25, min_depth=8, num_labels=10),
+        "image", _image_inputs(_IMAGE),
+        "MobileNetV2 (inverted residuals, depthwise convs, ReLU6); returns logits",
+    ),
+    "whisper_encoder": _Spec(
+        _whisper_encoder,
+        "audio_features", _randn_inputs(16, 32),
+        "Whisper audio encoder (conv stem on 16 mel bins x 32 frames); returns hidden states",
+    ),
+    "wav2vec2": _Spec(
+        _hf("Wav2Vec2Model", "Wav2Vec2Config", hidden_size=32, **_TINY, conv_dim=(16, 16),
+            conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=8,
+            num_conv_pos_embedding_groups=4),
+        "audio_values", _randn_inputs(400),
+        "wav2vec 2.0 on 400 raw samples (conv feature encoder, group norm, weight-normed "
+        "positional conv); returns hidden states",
+    ),
+    "clip_vision": _Spec(
+        _hf("CLIPVisionModel", "CLIPVisionConfig", image_size=_IMAGE, patch_size=8,
+            hidden_size=32, **_TINY, projection_dim=16),
+        "image", _image_inputs(_IMAGE),
+        "CLIP vision tower (quick GELU, pre-LN); returns last hidden state and pooled output",
+        picks=(0, 1),
+    ),
+    "segformer": _Spec(
+        _hf("SegformerForSemanticSegmentation", "SegformerConfig", num_encoder_blocks=2,
+            depths=[1, 1], sr_ratios=[4, 2], hidden_sizes=[16, 32], patch_sizes=[7, 3],
+            strides=[4, 2], num_attention_heads=[1, 2], mlp_ratios=[2, 2],
+            decoder_hidden_size=32, num_labels=5),
+        "image", _image_inputs(64),
+        "SegFormer segmentation on 64x64 images (efficient attention, bilinear upsampling); "
+        "returns logits",
+    ),
+}  # fmt: skip
+
+NAMES: tuple[str, ...] = tuple(_SPECS)
+
+
+# ----------------------------------------------------------------------------- build
+
+
+def _spec(name: str) -> _Spec:
+    try:
+        return _SPECS[name]
+    except KeyError:
+        raise UsageError(f"unknown zoo model {name!r}; known: {', '.join(NAMES)}") from None
+
+
+def build(
+    name: str, *, seed: int = 0, batch: int = 2, attn_implementation: str = "eager"
+) -> ZooModel:
+    """Build zoo model ``name`` with weights and inputs drawn from ``seed``.
+
+    The global torch RNG is left untouched (weights are drawn inside ``fork_rng``).
+    """
+    import torch
+
+    spec = _spec(name)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        hf_model = spec.make(attn_implementation)
+    wrapper = _wrapper_types()[spec.kind](hf_model, spec.picks, dict(spec.extra))
+    module = wrapper.to(torch.float32).eval()
+    gen = torch.Generator().manual_seed(seed)
+    return ZooModel(name, module, spec.inputs(gen, batch), {}, spec.description)
+
+
+# ----------------------------------------------------------------------------- ONNX
+
+
+def export_model(model: ZooModel, path: str | Path, *, opset: int | None = None) -> Path:
+    """Export a built zoo model to one standalone ``.onnx`` file (weights inside).
+
+    The file appears atomically, so concurrent exports of the same model cannot leave a
+    half-written file behind.
+    """
+    import torch
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        program = torch.onnx.export(
+            model.module, model.args, kwargs=model.kwargs or None, dynamo=True,
+            opset_version=opset or DEFAULT_OPSET, external_data=False, verbose=False,
+        )  # fmt: skip
+    except Exception as e:  # torch raises many types here; all mean "could not export"
+        raise CaptureError(f"zoo model {model.name!r}: ONNX export failed: {e}") from e
+    fd, tmp = tempfile.mkstemp(suffix=".onnx.tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        program.save(tmp, external_data=False)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def export_onnx(
+    name: str, path: str | Path, *, seed: int = 0, opset: int | None = None
+) -> Path:
+    """Build zoo model ``name`` and export it to ``path`` (a standalone ``.onnx``)."""
+    return export_model(build(name, seed=seed), path, opset=opset)
+
+
+def onnx_inputs(
+    model: ZooModel, onnx_model: str | Path | onnx.ModelProto | None = None
+) -> dict[str, np.ndarray]:
+    """The model's inputs as numpy arrays keyed by ONNX graph input name.
+
+    Without ``onnx_model`` every forward input is returned (dynamo export names graph inputs
+    after the forward parameters).  With it, only the inputs the exported graph declares:
+    the exporter drops inputs the graph does not use.
+    """
+    arrays = {
+        n: t.detach().cpu().numpy()
+        for n, t in zip(model.input_names(), model.args + tuple(model.kwargs.values()))
+    }
+    if onnx_model is None:
+        return arrays
+    names = _graph_input_names(onnx_model)
+    missing = [n for n in names if n not in arrays]
+    if missing:
+        raise UsageError(f"zoo model {model.name!r} has no input for ONNX input(s) {missing}")
+    return {n: arrays[n] for n in names}
+
+
+def _graph_input_names(onnx_model: str | Path | onnx.ModelProto) -> list[str]:
+    import onnx
+
+    if not isinstance(onnx_model, onnx.ModelProto):
+        onnx_model = onnx.load(str(onnx_model), load_external_data=False)
+    initializers = {i.name for i in onnx_model.graph.initializer}
+    return [i.name for i in onnx_model.graph.input if i.name not in initializers]
+
+
+# ----------------------------------------------------------------------------- cache
+
+
+def default_cache_dir() -> Path:
+    """``$AMP_REWRITE_CACHE``, else ``<repo>/.cache/zoo`` in a checkout, else a temp dir."""
+    env = os.environ.get("AMP_REWRITE_CACHE")
+    if env:
+        return Path(env)
+    repo = Path(__file__).resolve().parent.parent
+    if (repo / "pyproject.toml").is_file() and os.access(repo, os.W_OK):
+        return repo / ".cache" / "zoo"
+    return Path(tempfile.gettempdir()) / "amp_rewrite_zoo"
+
+
+def _cache_tag() -> str:
+    """Changes whenever an export could differ: zoo version, torch/transformers/onnxscript."""
+    versions = [str(ZOO_VERSION)]
+    for dist in ("torch", "transformers", "onnxscript"):
+        try:
+            versions.append(metadata.version(dist))
+        except metadata.PackageNotFoundError:
+            versions.append("none")
+    return hashlib.sha256("|".join(versions).encode()).hexdigest()[:10]
+
+
+def cached_onnx(
+    name: str,
+    cache_dir: str | Path | None = None,
+    *,
+    seed: int = 0,
+    opset: int | None = None,
+) -> Path:
+    """Path to zoo model ``name`` as ONNX, exporting it on first use only.
+
+    Tests that need the same model share one export.  The file name carries the seed, the
+    opset and a tag of the library versions, so a stale export is never reused.
+    """
+    _spec(name)  # fail on unknown names before touching the file system
+    opset = opset or DEFAULT_OPSET
+    directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    path = directory / f"{name}-seed{seed}-opset{opset}-{_cache_tag()}.onnx"
+    if not path.is_file():
+        log.info("exporting zoo model %s to %s", name, path)
+        export_onnx(name, path, seed=seed, opset=opset)
+    return path
