@@ -32,3 +32,11 @@ class ValidationError(AmpRewriteError):
     """The rewritten model's outputs disagree with the FP32 model's (exit 4)."""
 
     exit_code = 4
+
+
+class TrainingError(AmpRewriteError, RuntimeError):
+    """Misuse of the training wrappers (loss scaler, optimizer wrapper).
+
+    Also a ``RuntimeError``, so code written against ``torch.amp.GradScaler`` (which raises
+    ``RuntimeError`` for the same misuse) keeps catching it.
+    """

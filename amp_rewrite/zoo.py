@@ -65,10 +65,10 @@ class ZooModel:
         with torch.no_grad():
             return self.module(*self.args, **self.kwargs)
 
-    def input_names(self) -> list[str]:
-        """Forward-signature names of the inputs, in order (the ONNX input names)."""
+    def named_inputs(self) -> dict[str, torch.Tensor]:
+        """Inputs keyed by forward-parameter name, in signature order (the ONNX input names)."""
         bound = inspect.signature(self.module.forward).bind(*self.args, **self.kwargs)
-        return list(bound.arguments)
+        return dict(bound.arguments)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,13 +212,16 @@ def _hf(cls_name: str, config_name: str, **config: Any) -> Callable[[str], torch
 def _whisper_encoder(attn: str) -> torch.nn.Module:
     import transformers
 
+    from transformers.models.whisper.modeling_whisper import WhisperEncoder
+
+    # Only the encoder is built; the special token ids must still lie inside the tiny vocab.
     cfg = transformers.WhisperConfig(
         attn_implementation=attn, vocab_size=_VOCAB, num_mel_bins=16, d_model=32,
         encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=64,
-        decoder_layers=1, decoder_attention_heads=4, decoder_ffn_dim=64,
-        max_source_positions=16, max_target_positions=16,
+        max_source_positions=16, max_target_positions=16, pad_token_id=1,
+        bos_token_id=0, eos_token_id=2, decoder_start_token_id=3,
     )  # fmt: skip
-    return transformers.WhisperModel(cfg).get_encoder()
+    return WhisperEncoder(cfg)
 
 
 _SPECS: dict[str, _Spec] = {
@@ -235,6 +238,14 @@ _SPECS: dict[str, _Spec] = {
         "text", _text_inputs,
         "RoBERTa sequence classifier (padding-aware position ids); returns logits",
     ),
+    "albert": _Spec(
+        _hf("AlbertModel", "AlbertConfig", vocab_size=_VOCAB, embedding_size=16,
+            hidden_size=32, **_TINY, max_position_embeddings=64),
+        "text", _text_inputs,
+        "ALBERT encoder (factorised embeddings; both layers share one set of weights); "
+        "returns last hidden state and pooler output",
+        picks=(0, 1),
+    ),
     "distilbert": _Spec(
         _hf("DistilBertModel", "DistilBertConfig", vocab_size=_VOCAB, dim=32, n_layers=2,
             n_heads=4, hidden_dim=64, max_position_embeddings=64),
@@ -243,7 +254,7 @@ _SPECS: dict[str, _Spec] = {
     ),
     "gpt2": _Spec(
         _hf("GPT2LMHeadModel", "GPT2Config", vocab_size=_VOCAB, n_positions=64, n_embd=32,
-            n_layer=2, n_head=4),
+            n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0),
         "text", _text_inputs,
         "GPT-2 causal LM (Conv1D projections, tanh GELU); returns logits",
         extra=(("use_cache", False),),
@@ -306,7 +317,7 @@ _SPECS: dict[str, _Spec] = {
     ),
     "mobilenet_v2": _Spec(
         _hf("MobileNetV2ForImageClassification", "MobileNetV2Config", image_size=_IMAGE,
-            depth_multiplier=0.25, min_depth=8, num_labels=10),
+            depth_multiplier=0.25, min_depth=8, finegrained_output=False, num_labels=10),
         "image", _image_inputs(_IMAGE),
         "MobileNetV2 (inverted residuals, depthwise convs, ReLU6); returns logits",
     ),
@@ -369,8 +380,35 @@ def build(
         hf_model = spec.make(attn_implementation)
     wrapper = _wrapper_types()[spec.kind](hf_model, spec.picks, dict(spec.extra))
     module = wrapper.to(torch.float32).eval()
+    _calibrate_batchnorm(module, spec.inputs(torch.Generator().manual_seed(seed + 1), 8))
     gen = torch.Generator().manual_seed(seed)
     return ZooModel(name, module, spec.inputs(gen, batch), {}, spec.description)
+
+
+def _calibrate_batchnorm(module: torch.nn.Module, calib_args: tuple) -> None:
+    """Set BatchNorm running statistics from one batch of calibration inputs.
+
+    HF initialises conv weights with std 0.02 and BatchNorm with mean 0 / var 1, so in a deep
+    conv net (MobileNetV2) the activations shrink ~10x per block and the logits end near
+    1e-27: useless for precision tests, and unlike any trained model, whose BatchNorm
+    statistics match its data.  One forward pass in train mode with a cumulative average
+    (momentum None) gives every BatchNorm the statistics of its real input.
+    """
+    import torch
+
+    norms = [m for m in module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    if not norms:
+        return
+    momenta = [bn.momentum for bn in norms]
+    for bn in norms:
+        bn.reset_running_stats()
+        bn.momentum = None
+        bn.train()
+    with torch.no_grad():
+        module(*calib_args)
+    for bn, momentum in zip(norms, momenta):
+        bn.momentum = momentum
+    module.eval()
 
 
 # ----------------------------------------------------------------------------- ONNX
@@ -420,10 +458,7 @@ def onnx_inputs(
     after the forward parameters).  With it, only the inputs the exported graph declares:
     the exporter drops inputs the graph does not use.
     """
-    arrays = {
-        n: t.detach().cpu().numpy()
-        for n, t in zip(model.input_names(), model.args + tuple(model.kwargs.values()))
-    }
+    arrays = {n: t.detach().cpu().numpy() for n, t in model.named_inputs().items()}
     if onnx_model is None:
         return arrays
     names = _graph_input_names(onnx_model)

@@ -52,11 +52,16 @@ class PrecisionPlan:
         return out
 
 
-def plan_precision(graph: PrecisionGraph, rules: RuleSet, *,
-                   keep_fp32: Iterable[str] = ()) -> PrecisionPlan:
-    """Decide every group's precision and the minimal casts (see module docstring)."""
+def plan_precision(graph: PrecisionGraph, rules: RuleSet, *, keep_fp32: Iterable[str] = (),
+                   pins: Mapping[Hashable, str] | None = None) -> PrecisionPlan:
+    """Decide every group's precision and the minimal casts (see module docstring).
+
+    ``keep_fp32``: fnmatch patterns on group names; ``pins``: group key → reason, both fixed
+    high (e.g. from calibration data).
+    """
     classes = constraints.classify_groups(graph, rules)
     fixes = constraints.rule_fixes(graph, rules, classes, keep_fp32)
+    fixes.update({k: constraints.Fix(Precision.HIGH, why) for k, why in (pins or {}).items()})
     fixes.update(constraints.deny_propagation(graph, classes, fixes))
     fixed = {k: f.precision for k, f in fixes.items()}
     labels = placement.place(graph, fixed)

@@ -1,0 +1,86 @@
+"""Python entry points of the ONNX path (the CLI calls the same functions)."""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from amp_rewrite.core import LowDtype
+from amp_rewrite.errors import ModelError
+from amp_rewrite.onnx import io
+from amp_rewrite.onnx.passes import MixedPrecisionPass, OnnxOptions
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RewriteResult:
+    model: ir.Model
+    report: dict
+    pass_: MixedPrecisionPass
+    had_external_data: bool
+
+    def explain(self, node_name: str) -> list[str]:
+        return self.pass_.explain(node_name)
+
+
+def default_threshold(dtype: LowDtype) -> float:
+    """Calibration pins values above 1/16 of the fp16 range: headroom for later growth."""
+    return 4096.0 if dtype is LowDtype.FLOAT16 else 1e37
+
+
+def rewrite_onnx_model(source: str | os.PathLike | onnx.ModelProto, *,
+                       dtype: str | LowDtype = "float16", keep_io_types: bool = True,
+                       rules: Iterable[str | os.PathLike] = (), keep_fp32: Iterable[str] = (),
+                       calibration_data: Mapping[str, np.ndarray] | str | os.PathLike | None = None,
+                       calibration_threshold: float | None = None,
+                       check: bool = True) -> RewriteResult:
+    """Load, rewrite and check a model; returns the onnx_ir model and the report."""
+    start = time.perf_counter()
+    low = LowDtype.parse(dtype)
+    model = io.load_model(source)
+    had_external = io.input_had_external_data(model)
+    pinned = _calibrate(source, model, low, calibration_data, calibration_threshold)
+    options = OnnxOptions(low, keep_io_types, tuple(map(str, rules)), tuple(keep_fp32), pinned)
+    pass_ = MixedPrecisionPass(options)
+    pass_(model)
+    report = pass_.report()
+    if check and report["modified"]:
+        _check_output(model)
+    report["seconds"] = round(time.perf_counter() - start, 3)
+    return RewriteResult(model, report, pass_, had_external)
+
+
+def rewrite_onnx(model: str | os.PathLike | onnx.ModelProto, **options) -> onnx.ModelProto:
+    """Rewrite an FP32 ONNX model to mixed precision; ``options`` as ``rewrite_onnx_model``."""
+    return ir.to_proto(rewrite_onnx_model(model, **options).model)
+
+
+def _check_output(model: ir.Model) -> None:
+    """The rewritten model must pass the full checker (type inference included)."""
+    if io.needs_external_data(model, io.input_had_external_data(model)):
+        return  # too large for an in-memory check; the CLI checks the saved file by path
+    try:
+        onnx.checker.check_model(ir.to_proto(model), full_check=True)
+    except Exception as e:
+        raise ModelError(f"internal error: the rewritten model fails the ONNX checker: "
+                         f"{str(e).strip().splitlines()[0]}") from e
+
+
+def _calibrate(source, model: ir.Model, low: LowDtype, data, threshold) -> dict[str, float]:
+    if data is None:
+        return {}
+    from amp_rewrite.onnx import validate
+
+    threshold = default_threshold(low) if threshold is None else threshold
+    feeds = validate.load_feeds(data)
+    maxima = validate.value_maxima(ir.to_proto(model), feeds)
+    pinned = {name: m for name, m in maxima.items() if m > threshold}
+    logger.info("calibration: %d of %d values exceed %.4g", len(pinned), len(maxima), threshold)
+    return pinned

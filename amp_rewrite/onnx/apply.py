@@ -1,0 +1,229 @@
+"""Apply a PrecisionPlan to an onnx_ir model, in place.
+
+Steps: retype the outputs of low groups (and the attributes that set them), convert constants
+read only at low precision, then insert one Cast per planned (value, dtype), right after the
+producer and shared by its consumers. Constants need no runtime Cast: a converted copy is stored
+instead. Nodes the pass creates carry ``amp_rewrite.inserted`` and a reason in metadata_props.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+import ml_dtypes
+import numpy as np
+import onnx_ir as ir
+
+from amp_rewrite.core import CastPlan, LowDtype, Precision, PrecisionPlan
+from amp_rewrite.onnx.ports import to_ir_dtype
+from amp_rewrite.onnx.view import INSERTED_TAG, OnnxView
+
+logger = logging.getLogger(__name__)
+REASON_KEY = "amp_rewrite.reason"
+PRECISION_KEY = "amp_rewrite.precision"
+
+
+@dataclass
+class ApplyStats:
+    """What the apply step changed; ``modified`` is derived from it."""
+
+    casts_inserted: int = 0
+    nodes_retyped: int = 0
+    constants_converted: int = 0
+    constant_bytes_converted: int = 0
+    constant_copies: int = 0
+    values_clamped: int = 0
+    clamped_constants: list[str] = field(default_factory=list)
+
+    @property
+    def modified(self) -> bool:
+        return bool(self.casts_inserted or self.nodes_retyped or self.constants_converted
+                    or self.constant_copies)
+
+
+class _Namer:
+    """Unique value names across the whole model (casts must not shadow outer names)."""
+
+    def __init__(self, model: ir.Model) -> None:
+        from amp_rewrite.onnx.view import walk_graphs
+
+        self.taken = set()
+        for g in walk_graphs(model.graph):
+            self.taken.update(v.name for v in (*g.inputs, *g.initializers.values()) if v.name)
+            self.taken.update(v.name for n in g for v in n.outputs if v.name)
+
+    def __call__(self, base: str) -> str:
+        name, i = base, 1
+        while name in self.taken:
+            name, i = f"{base}_{i}", i + 1
+        self.taken.add(name)
+        return name
+
+
+def apply_plan(model: ir.Model, view: OnnxView, plan: PrecisionPlan) -> ApplyStats:
+    stats = ApplyStats()
+    low_ir = to_ir_dtype(view.low)
+    namer = _Namer(model)
+    _retype_groups(view, plan, low_ir, stats)
+    _convert_sources(view, plan, low_ir, stats)
+    for cast in plan.casts:
+        _insert_cast(view, cast, low_ir, namer, stats)
+    return stats
+
+
+def _dtype(precision: Precision, low_ir: ir.DataType) -> ir.DataType:
+    return low_ir if precision is Precision.LOW else ir.DataType.FLOAT
+
+
+def _retype_groups(view: OnnxView, plan: PrecisionPlan, low_ir, stats: ApplyStats) -> None:
+    for key, (node, pg) in view.groups.items():
+        decision = plan.decisions[key]
+        target = _dtype(decision.precision, low_ir)
+        changed = [node.outputs[o] for o in pg.outputs if node.outputs[o].dtype != target]
+        if not changed and not _attribute_differs(node, pg, target):
+            continue
+        for value in changed:
+            value.dtype = target
+        if pg.retype_attribute:
+            _set_type_attribute(node, pg.retype_attribute, target)
+        node.metadata_props[PRECISION_KEY] = decision.precision.value
+        node.metadata_props[REASON_KEY] = decision.reason
+        stats.nodes_retyped += 1
+
+
+def _attribute_differs(node: ir.Node, pg, target: ir.DataType) -> bool:
+    if not pg.retype_attribute or not pg.outputs:
+        return False
+    attr = node.attributes.get(pg.retype_attribute)
+    if attr is None:
+        return False
+    if attr.type == ir.AttributeType.TENSOR:
+        return attr.value.dtype != target
+    return attr.value != target
+
+
+def _set_type_attribute(node: ir.Node, name: str, target: ir.DataType) -> None:
+    attr = node.attributes.get(name)
+    if name == "value":  # ConstantOfShape: the fill value's tensor sets the dtype
+        fill = attr.value.numpy() if attr is not None else np.zeros(1, np.float32)
+        node.attributes[name] = ir.AttrTensor(name, ir.tensor(_convert(fill, target)[0]))
+    else:
+        node.attributes[name] = ir.AttrInt64(name, int(target))
+
+
+def _convert(array: np.ndarray, target: ir.DataType) -> tuple[np.ndarray, int]:
+    """Convert to the target dtype, clamping finite values beyond its range; count them."""
+    if target == ir.DataType.FLOAT:
+        return np.asarray(array, np.float32), 0
+    np_dtype = np.float16 if target == ir.DataType.FLOAT16 else ml_dtypes.bfloat16
+    limit = float(ml_dtypes.finfo(np_dtype).max)
+    array = np.asarray(array)
+    over = np.isfinite(array) & (np.abs(array) > limit)
+    clamped = int(over.sum())
+    if clamped:
+        array = np.where(over, np.sign(array) * limit, array)
+    return array.astype(np_dtype), clamped
+
+
+def _convert_sources(view: OnnxView, plan: PrecisionPlan, low_ir, stats: ApplyStats) -> None:
+    for key, (g, value, node) in view.sources.items():
+        if plan.precision(key) is Precision.LOW and value.dtype != low_ir:
+            if value.const_value is not None or node is not None:
+                _convert_constant_in_place(value, node, low_ir, stats)
+            else:  # a main-graph input with keep_io_types off
+                value.dtype = low_ir
+
+
+def _constant_array(value: ir.Value, node: ir.Node | None) -> np.ndarray:
+    if node is not None:
+        return node.attributes["value"].value.numpy()
+    return value.const_value.numpy()
+
+
+def _convert_constant_in_place(value: ir.Value, node, low_ir, stats: ApplyStats) -> None:
+    array, clamped = _convert(_constant_array(value, node), low_ir)
+    _count_conversion(value, array, clamped, stats)
+    tensor = ir.tensor(array, name=value.name)
+    if node is not None:
+        node.attributes["value"] = ir.AttrTensor("value", tensor)
+    else:
+        value.const_value = tensor
+    value.dtype = low_ir
+
+
+def _count_conversion(value: ir.Value, array: np.ndarray, clamped: int, stats) -> None:
+    stats.constants_converted += 1
+    stats.constant_bytes_converted += array.size * 4
+    if clamped:
+        stats.values_clamped += clamped
+        stats.clamped_constants.append(value.name or "")
+        logger.warning("clamped %d values of %s to the %s range", clamped, value.name,
+                       array.dtype)
+
+
+def _insert_cast(view: OnnxView, cast: CastPlan, low_ir, namer: _Namer,
+                 stats: ApplyStats) -> None:
+    value = cast.value
+    target = _dtype(cast.to, low_ir)
+    source = view.sources.get(("source", value))
+    if source is not None and (value.const_value is not None or source[2] is not None):
+        new = _constant_copy(source, target, namer, stats)
+    else:
+        new = _cast_node(value, target, namer, cast, source)
+        stats.casts_inserted += 1
+    _rewire(view, cast.consumers, value, new, namer)
+
+
+def _constant_copy(source, target: ir.DataType, namer: _Namer, stats) -> ir.Value:
+    g, value, node = source
+    array, clamped = _convert(_constant_array(value, node), target)
+    _count_conversion(value, array, clamped, stats)
+    stats.constant_copies += 1
+    suffix = "f32" if target == ir.DataType.FLOAT else ir.DataType(target).name.lower()
+    name = namer(f"{value.name}_{suffix}")
+    new = ir.Value(name=name, shape=value.shape, type=ir.TensorType(target),
+                   const_value=ir.tensor(array, name=name))
+    g.register_initializer(new)
+    return new
+
+
+def _cast_node(value: ir.Value, target: ir.DataType, namer: _Namer, cast: CastPlan,
+               source) -> ir.Value:
+    suffix = "f32" if target == ir.DataType.FLOAT else ir.DataType(target).name.lower()
+    node = ir.node("Cast", [value], {"to": target}, name=namer(f"amp_cast_{value.name}_{suffix}"),
+                   metadata_props={INSERTED_TAG: "cast", REASON_KEY:
+                                   f"{len(cast.consumers)} consumer(s) need {cast.to.value} "
+                                   "precision (exact min-cut placement)"})
+    out = node.outputs[0]
+    out.name, out.dtype = namer(f"{value.name}_{suffix}"), target
+    out.shape = value.shape.copy() if value.shape is not None else None
+    producer = value.producer()
+    if producer is not None:
+        producer.graph.insert_after(producer, node)
+    else:
+        g = source[0]
+        g.insert_before(g[0], node) if len(g) else g.append(node)
+    return out
+
+
+def _rewire(view: OnnxView, consumers: tuple[Hashable, ...], old: ir.Value, new: ir.Value,
+            namer: _Namer) -> None:
+    for key in consumers:
+        if key in view.sinks:
+            _rewire_output(view.sinks[key], old, new, namer)
+            continue
+        node, pg = view.groups[key]
+        for i in pg.inputs:
+            if node.inputs[i] is old:
+                node.replace_input_with(i, new)
+
+
+def _rewire_output(sink, old: ir.Value, new: ir.Value, namer: _Namer) -> None:
+    """Graph outputs keep their names: the cast takes the name, the inner value a new one."""
+    g, index = sink
+    if not new.is_graph_output():
+        outer_name = old.name
+        old.name = namer(f"{outer_name}_{old.dtype.name.lower()}")
+        new.name = outer_name
+    g.outputs[index] = new

@@ -1,0 +1,94 @@
+"""Load and save ONNX models safely: clear errors, external data, atomic writes."""
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import onnx
+import onnx_ir as ir
+
+from amp_rewrite.errors import ModelError, UsageError
+
+logger = logging.getLogger(__name__)
+PROTOBUF_LIMIT = 2**31 - 1
+
+
+def load_model(source: str | os.PathLike | onnx.ModelProto) -> ir.Model:
+    """An onnx_ir model from a path (external data stays memory-mapped) or a ModelProto."""
+    if isinstance(source, onnx.ModelProto):
+        _check_input(source, "<ModelProto>")
+        return ir.from_proto(source)
+    path = Path(source)
+    if not path.is_file():
+        raise ModelError(f"{path}: no such file; pass the path of an .onnx model")
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+    except Exception as e:  # protobuf raises DecodeError, RuntimeWarning, ValueError, ...
+        raise ModelError(f"{path}: not a readable ONNX model ({_first_line(e)}); "
+                         "check that the file is complete and really ONNX") from None
+    if not proto.graph.node and not proto.graph.input and not proto.graph.output:
+        raise ModelError(f"{path}: not an ONNX model (no graph found); is it truncated?")
+    _check_input(path if _has_external_data(proto) else proto, str(path))
+    try:
+        return ir.load(path)
+    except Exception as e:
+        raise ModelError(f"{path}: onnx_ir could not load the model ({_first_line(e)})") from e
+
+
+def _has_external_data(proto: onnx.ModelProto) -> bool:
+    return any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer)
+
+
+def _check_input(model: onnx.ModelProto | Path, label: str) -> None:
+    try:
+        onnx.checker.check_model(str(model) if isinstance(model, Path) else model)
+    except Exception as e:
+        raise ModelError(f"{label}: invalid ONNX model: {_first_line(e)}") from None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+def default_output_path(input_path: str | os.PathLike) -> Path:
+    path = Path(input_path)
+    return path.with_name(path.name.removesuffix(".onnx") + ".amp.onnx")
+
+
+def check_output_path(input_path: str | os.PathLike | None, output: str | os.PathLike) -> Path:
+    out = Path(output)
+    if input_path is not None and out.resolve() == Path(input_path).resolve():
+        raise UsageError(f"{out}: the output would overwrite the input; choose another -o path")
+    if not out.parent.is_dir():
+        raise UsageError(f"{out}: directory {out.parent} does not exist")
+    return out
+
+
+def needs_external_data(model: ir.Model, had_external: bool) -> bool:
+    if had_external:
+        return True
+    total = sum(v.const_value.nbytes for v in model.graph.initializers.values()
+                if v.const_value is not None)
+    return total > PROTOBUF_LIMIT // 2
+
+
+def save_model(model: ir.Model, output: str | os.PathLike, *, external_data: bool) -> Path:
+    """Write ``model`` atomically: temp files in the target directory, then rename."""
+    out = Path(output)
+    data_name = out.name + ".data" if external_data else None
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".amp_rewrite_") as tmp:
+        tmp_model = Path(tmp) / out.name
+        ir.save(model, tmp_model, external_data=data_name)
+        if data_name:
+            os.replace(Path(tmp) / data_name, out.parent / data_name)
+        os.replace(tmp_model, out)
+    logger.info("wrote %s%s", out, f" (+ {data_name})" if data_name else "")
+    return out
+
+
+def input_had_external_data(model: ir.Model) -> bool:
+    return any(isinstance(v.const_value, ir.ExternalTensor)
+               for v in model.graph.initializers.values())

@@ -1,0 +1,93 @@
+"""The ONNX mixed-precision pass, on the onnx_ir pass contract.
+
+``MixedPrecisionPass.call(model)`` orchestrates named steps: build the precision view, plan
+(core), apply (adapter). ``PassResult.modified`` is derived from what the apply step changed,
+so running the pass on its own output reports ``modified=False``.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import onnx_ir as ir
+
+from amp_rewrite.core import LowDtype, PrecisionPlan, RuleSet, load_rules, plan_precision
+from amp_rewrite.core.report import node_records, precision_counts, unlisted_ops
+from amp_rewrite.onnx.apply import ApplyStats, apply_plan
+from amp_rewrite.onnx.view import OnnxView, build_view
+
+
+@dataclass(frozen=True)
+class OnnxOptions:
+    """Options shared by the CLI and ``rewrite_onnx``."""
+
+    dtype: LowDtype = LowDtype.FLOAT16
+    keep_io_types: bool = True
+    rules: tuple[str, ...] = ()
+    keep_fp32: tuple[str, ...] = ()
+    # value name -> observed max |x| from calibration, already above the threshold
+    pinned_values: Mapping[str, float] = field(default_factory=dict)
+
+
+class MixedPrecisionPass(ir.passes.InPlacePass):
+    """Rewrite float32 ops to the low dtype with the exact minimum of casts."""
+
+    def __init__(self, options: OnnxOptions, rules: RuleSet | None = None) -> None:
+        super().__init__()
+        self.options = options
+        self.rules = rules if rules is not None else load_rules("onnx", options.rules)
+        self.view: OnnxView | None = None
+        self.plan: PrecisionPlan | None = None
+        self.stats: ApplyStats | None = None
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        self.view = build_view(model, self.options.dtype,
+                               keep_io_types=self.options.keep_io_types)
+        self.plan = plan_precision(self.view.graph, self.rules,
+                                   keep_fp32=self.options.keep_fp32, pins=self._pins())
+        self.stats = apply_plan(model, self.view, self.plan)
+        return ir.passes.PassResult(model, modified=self.stats.modified)
+
+    def _pins(self) -> dict:
+        """Producers of values observed beyond the calibration threshold run high."""
+        pins = {}
+        for key, (node, pg) in self.view.groups.items():
+            for o in pg.outputs:
+                name = node.outputs[o].name
+                if name in self.options.pinned_values:
+                    pins[key] = (f"calibration saw |{name}| up to "
+                                 f"{self.options.pinned_values[name]:.4g}: kept fp32")
+        return pins
+
+    def report(self) -> dict:
+        """Per-node decisions and totals (the ``--report`` JSON schema)."""
+        records = node_records(self.plan, self.view.graph)
+        s = self.stats
+        return {
+            "dtype": self.options.dtype.value,
+            "nodes": records,
+            "casts_inserted": s.casts_inserted,
+            "cast_bytes_planned": self.plan.cast_units,
+            "precision_counts": precision_counts(records),
+            "nodes_retyped": s.nodes_retyped,
+            "constants_converted": s.constants_converted,
+            "constant_bytes_converted": s.constant_bytes_converted,
+            "constant_copies": s.constant_copies,
+            "values_clamped": s.values_clamped,
+            "clamped_constants": s.clamped_constants,
+            "unlisted_ops": unlisted_ops(records),
+            "pinned_by_calibration": sorted(self.options.pinned_values),
+            "modified": s.modified,
+        }
+
+    def explain(self, node_name: str) -> list[str]:
+        from amp_rewrite.core import explain_chain
+
+        keys = [g.key for g in self.view.graph.groups() if g.name == node_name]
+        return [line for k in keys for line in explain_chain(self.plan, self.view.graph, k)]
+
+
+def node_names(model: ir.Model) -> Sequence[str]:
+    from amp_rewrite.onnx.view import walk_graphs
+
+    return [n.name for g in walk_graphs(model.graph) for n in g if n.name]

@@ -1,0 +1,136 @@
+"""Schema-aware port groups: which ports of an ONNX node must share a dtype, and may go low.
+
+DESIGN §2: the unit of painting is the (node, type variable) pair. We read the node's schema
+from ``onnx.defs`` at the model's opset, bind each actual input/output to its formal parameter
+(variadic parameters take the rest), and group floating ports by type variable. Type variables
+of one node are then merged into one group, because runtime kernels are registered for tied
+types (ORT's fp16 BatchNormalization takes fp16 scale and mean) — except for ops whose type
+variables are independent by design (Cast, EyeLike, ...), and statistics outputs that runtimes
+keep in fp32 (LayerNormalization's ``U``).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import onnx
+import onnx_ir as ir
+
+from amp_rewrite.core import LowDtype
+
+# Ops whose output type comes from an attribute; their type variables are independent.
+RETYPE_ATTRIBUTE = {
+    "Cast": "to", "EyeLike": "dtype", "RandomNormalLike": "dtype", "RandomUniformLike": "dtype",
+    "Bernoulli": "dtype", "RandomNormal": "dtype", "RandomUniform": "dtype",
+    "ConstantOfShape": "value",
+}
+INDEPENDENT_TYPE_VARS = {"CastLike", *RETYPE_ATTRIBUTE}
+# Type variables that ORT/TensorRT kernels only implement in fp32 whatever the data type.
+HIGH_TYPE_VARS = {
+    ("", "LayerNormalization"): {"U": "runtimes keep LayerNorm statistics (U) in fp32"},
+    ("com.microsoft", "SkipLayerNormalization"): {"U": "statistics outputs stay fp32 in ORT"},
+    ("com.microsoft", "SimplifiedLayerNormalization"): {"U": "statistics stay fp32 in ORT"},
+}
+CONTROL_FLOW = {"If", "Loop", "Scan"}
+
+
+@dataclass(frozen=True)
+class PortGroup:
+    """Candidate (float32 or target-dtype) ports of one node that must share a dtype."""
+
+    tvars: tuple[str, ...]
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    fixed_reason: str | None  # why the group cannot run low; None if it may
+    retype_attribute: str | None = None  # attribute that sets the output dtype, if any
+
+
+def is_candidate(value: ir.Value | None, low: ir.DataType) -> bool:
+    """A plain tensor of float32 or of the target low dtype."""
+    if value is None or not isinstance(value.type, ir.TensorType):
+        return False
+    return value.dtype in (ir.DataType.FLOAT, low)
+
+
+@functools.lru_cache(maxsize=4096)
+def _schema(domain: str, op_type: str, opset: int) -> onnx.defs.OpSchema | None:
+    try:
+        return onnx.defs.get_schema(op_type, opset, domain)
+    except onnx.defs.SchemaError:
+        return None
+
+
+def node_opset(node: ir.Node, opsets: dict[str, int]) -> int:
+    return node.version or opsets.get(node.domain, opsets.get("", 1))
+
+
+def port_groups(node: ir.Node, opset: int, low: LowDtype) -> list[PortGroup]:
+    """Group the node's candidate ports; see module docstring."""
+    low_ir = to_ir_dtype(low)
+    ins = [i for i, v in enumerate(node.inputs) if is_candidate(v, low_ir)]
+    outs = [i for i, v in enumerate(node.outputs) if is_candidate(v, low_ir)]
+    if not ins and not outs:
+        return []
+    if node.op_type in CONTROL_FLOW and node.domain == "":
+        return [PortGroup(("*",), tuple(ins), tuple(outs),
+                          "control-flow boundary keeps its dtype; its body is rewritten")]
+    if _has_non_tensor_port(node):
+        return [PortGroup(("*",), tuple(ins), tuple(outs),
+                          "sequence/optional element types are not rewritten")]
+    schema = _schema(node.domain, node.op_type, opset)
+    if schema is None:  # contrib or custom op: the rules decide for all its ports together
+        return [PortGroup(("*",), tuple(ins), tuple(outs), None)]
+    by_tvar = _bind(schema, ins, outs)
+    return _merge(node, schema, by_tvar, low)
+
+
+def _has_non_tensor_port(node: ir.Node) -> bool:
+    values = [v for v in (*node.inputs, *node.outputs) if v is not None and v.type is not None]
+    return any(not isinstance(v.type, ir.TensorType) for v in values)
+
+
+def _bind(schema, ins: list[int], outs: list[int]) -> dict[str, tuple[list[int], list[int]]]:
+    by_tvar: dict[str, tuple[list[int], list[int]]] = {}
+    for side, indices, params in ((0, ins, schema.inputs), (1, outs, schema.outputs)):
+        for i in indices:
+            param = params[min(i, len(params) - 1)]
+            by_tvar.setdefault(param.type_str, ([], []))[side].append(i)
+    return by_tvar
+
+
+def _merge(node: ir.Node, schema, by_tvar, low: LowDtype) -> list[PortGroup]:
+    constraints = {tc.type_param_str: tc.allowed_type_strs for tc in schema.type_constraints}
+    high_policy = HIGH_TYPE_VARS.get((node.domain, node.op_type), {})
+    # Type variables the model already gives different dtypes are left independent.
+    independent = node.op_type in INDEPENDENT_TYPE_VARS or len(
+        {_current_dtype(node, ins, outs) for ins, outs in by_tvar.values()}) > 1
+    merged: dict[object, list] = {}
+    for tvar, (ins, outs) in by_tvar.items():
+        reason = _fixed_reason(node, tvar, constraints, high_policy, ins, low)
+        attr = RETYPE_ATTRIBUTE.get(node.op_type) if not ins else None
+        key = (tvar,) if independent or reason else ("merged",)
+        slot = merged.setdefault(key, [[], [], [], reason, attr])
+        slot[0].append(tvar), slot[1].extend(ins), slot[2].extend(outs)
+    return [PortGroup(tuple(t), tuple(sorted(i)), tuple(sorted(o)), r, a)
+            for t, i, o, r, a in merged.values()]
+
+
+def _current_dtype(node: ir.Node, ins: list[int], outs: list[int]) -> frozenset:
+    return frozenset([node.inputs[i].dtype for i in ins] + [node.outputs[o].dtype for o in outs])
+
+
+def _fixed_reason(node, tvar: str, constraints, high_policy, ins, low: LowDtype) -> str | None:
+    if tvar in high_policy:
+        return high_policy[tvar]
+    allowed = constraints.get(tvar)
+    if allowed is None:  # a concrete type such as tensor(float)
+        return f"the {node.op_type} schema fixes this port to {tvar}"
+    if f"tensor({low.value})" not in allowed:
+        return f"{node.op_type}'s {tvar} does not admit {low.value} at this opset"
+    if not ins and node.op_type not in RETYPE_ATTRIBUTE:
+        return f"{node.op_type}'s output type {tvar} cannot be retyped"
+    return None
+
+
+def to_ir_dtype(low: LowDtype) -> ir.DataType:
+    return ir.DataType.FLOAT16 if low is LowDtype.FLOAT16 else ir.DataType.BFLOAT16

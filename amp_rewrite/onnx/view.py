@@ -1,0 +1,154 @@
+"""Build the core's PrecisionGraph from an onnx_ir model (main graph and all subgraphs).
+
+Every candidate value (float32 or target-dtype tensor) becomes a graph value; every node's
+port groups become groups; graph inputs, initializers and Constant nodes become sources; graph
+outputs become sinks. Subgraph inputs and outputs keep their dtypes; nodes inside a body read
+values captured from outer graphs like any other value, so the casts for them are planned
+once, in the outer graph, next to the producer.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import onnx_ir as ir
+
+from amp_rewrite.core import GroupInfo, LowDtype, Precision, PrecisionGraph
+from amp_rewrite.onnx.ports import PortGroup, is_candidate, node_opset, port_groups, to_ir_dtype
+
+INSERTED_TAG = "amp_rewrite.inserted"
+SYMBOLIC_DIM_EXTENT = 64  # nominal size of a symbolic dim (batch, sequence) for cast costs
+
+
+@dataclass
+class OnnxView:
+    """The precision graph plus what the adapter needs to map decisions back."""
+
+    graph: PrecisionGraph
+    low: LowDtype
+    groups: dict[tuple, tuple[ir.Node, PortGroup]] = field(default_factory=dict)
+    sources: dict[tuple, tuple[ir.Graph, ir.Value, ir.Node | None]] = field(default_factory=dict)
+    sinks: dict[tuple, tuple[ir.Graph, int]] = field(default_factory=dict)
+
+
+def value_nbytes(value: ir.Value) -> int | None:
+    shape = value.shape
+    if shape is None:
+        return None
+    extent = math.prod(d if isinstance(d, int) else SYMBOLIC_DIM_EXTENT for d in shape.dims)
+    return 4 * max(extent, 1)
+
+
+def walk_graphs(graph: ir.Graph) -> Iterator[ir.Graph]:
+    """The graph and every subgraph, outer before inner."""
+    yield graph
+    for node in graph:
+        for attr in node.attributes.values():
+            if attr.type == ir.AttributeType.GRAPH:
+                yield from walk_graphs(attr.value)
+            elif attr.type == ir.AttributeType.GRAPHS:
+                for sub in attr.value:
+                    yield from walk_graphs(sub)
+
+
+def build_view(model: ir.Model, low: LowDtype, *, keep_io_types: bool = True) -> OnnxView:
+    view = OnnxView(PrecisionGraph(), low)
+    low_ir = to_ir_dtype(low)
+    opsets = dict(model.opset_imports)
+    graphs = list(walk_graphs(model.graph))
+    for g in graphs:
+        _add_values(view, g, low_ir)
+    for g in graphs:
+        is_main = g is model.graph
+        _add_sources(view, g, low_ir, is_main, keep_io_types)
+        for node in g:
+            _add_node(view, node, node_opset(node, opsets), low_ir)
+        _add_sinks(view, g, low_ir, is_main, keep_io_types)
+    return view
+
+
+def _add_values(view: OnnxView, g: ir.Graph, low_ir: ir.DataType) -> None:
+    values = [*g.inputs, *g.initializers.values()]
+    values += [v for node in g for v in node.outputs]
+    for v in values:
+        if is_candidate(v, low_ir) and v not in view.graph.nx_graph:
+            view.graph.add_value(v, name=v.name or "", nbytes=value_nbytes(v))
+
+
+def _current(value: ir.Value, low_ir: ir.DataType) -> Precision:
+    return Precision.LOW if value.dtype == low_ir else Precision.HIGH
+
+
+def _add_sources(view: OnnxView, g: ir.Graph, low_ir: ir.DataType, is_main: bool,
+                 keep_io: bool) -> None:
+    for v in g.inputs:
+        if is_candidate(v, low_ir):
+            keep = not is_main or keep_io or v.dtype == low_ir
+            reason = ("graph input keeps its dtype (keep_io_types)" if is_main
+                      else "subgraph input keeps its dtype")
+            _source(view, g, v, None, _current(v, low_ir) if keep else None, reason)
+    for v in g.initializers.values():
+        if is_candidate(v, low_ir) and v not in g.inputs:
+            fixed = Precision.LOW if v.dtype == low_ir else None
+            _source(view, g, v, None, fixed, "initializer already low in the model")
+
+
+def _source(view, g, v, node, fixed, reason) -> None:
+    key = ("source", v)
+    view.sources[key] = (g, v, node)
+    view.graph.add_source(key, v, name=v.name or "", fixed=fixed,
+                          reason=reason if fixed else "")
+
+
+def _add_sinks(view: OnnxView, g: ir.Graph, low_ir: ir.DataType, is_main: bool,
+               keep_io: bool) -> None:
+    for i, v in enumerate(g.outputs):
+        if not is_candidate(v, low_ir):
+            continue
+        key = ("sink", g, i)
+        view.sinks[key] = (g, i)
+        fixed = _current(v, low_ir) if keep_io or not is_main else None
+        reason = "graph output keeps its dtype" if fixed else ""
+        view.graph.add_sink(key, v, name=f"output:{v.name}", fixed=fixed, reason=reason)
+
+
+def _add_node(view: OnnxView, node: ir.Node, opset: int, low_ir: ir.DataType) -> None:
+    if node.op_type == "Constant" and node.domain == "":
+        _add_constant(view, node, low_ir)
+        return
+    tagged = node.metadata_props.get(INSERTED_TAG)
+    op_key = node.op_type if node.domain == "" else f"{node.domain}::{node.op_type}"
+    for index, pg in enumerate(port_groups(node, opset, view.low)):
+        values = [node.inputs[i] for i in pg.inputs] + [node.outputs[o] for o in pg.outputs]
+        fixed, reason = _group_fix(pg, values, low_ir, tagged)
+        key = ("node", node, index)
+        view.groups[key] = (node, pg)
+        info = GroupInfo(key, node, node.name or "", op_key, fixed=fixed, reason=reason,
+                         tvar=",".join(pg.tvars) if len(pg.tvars) > 1 or pg.tvars[0] != "*"
+                         else "")
+        view.graph.add_group(info, inputs=dict.fromkeys(node.inputs[i] for i in pg.inputs),
+                             outputs=[node.outputs[o] for o in pg.outputs])
+
+
+def _group_fix(pg: PortGroup, values, low_ir, tagged) -> tuple[Precision | None, str]:
+    dtypes = {v.dtype for v in values}
+    if tagged:
+        return _current(values[0], low_ir), "a cast inserted by amp_rewrite keeps its types"
+    if pg.fixed_reason:
+        return Precision.HIGH if ir.DataType.FLOAT in dtypes else Precision.LOW, pg.fixed_reason
+    if dtypes == {low_ir}:
+        return Precision.LOW, f"already {low_ir.name.lower()} in the model"
+    return None, ""
+
+
+def _add_constant(view: OnnxView, node: ir.Node, low_ir: ir.DataType) -> None:
+    out = node.outputs[0]
+    if not is_candidate(out, low_ir):
+        return
+    convertible = "value" in node.attributes and out.dtype == ir.DataType.FLOAT
+    fixed = None if convertible else _current(out, low_ir)
+    key = ("source", out)
+    view.sources[key] = (node.graph, out, node)
+    view.graph.add_source(key, out, name=node.name or out.name or "", fixed=fixed,
+                          reason="" if convertible else "Constant form kept as is")
