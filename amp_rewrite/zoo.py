@@ -38,8 +38,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Bump when a config, an input or a wrapper changes, so cached exports are not reused.
-ZOO_VERSION = 1
 DEFAULT_OPSET = 18
 
 _VOCAB = 128
@@ -492,14 +490,14 @@ def default_cache_dir() -> Path:
 
 
 def _cache_tag() -> str:
-    """Changes whenever an export could differ: zoo version, torch/transformers/onnxscript."""
-    versions = [str(ZOO_VERSION)]
+    """Changes whenever an export could differ: this file, torch, transformers, onnxscript."""
+    digest = hashlib.sha256(Path(__file__).read_bytes())
     for dist in ("torch", "transformers", "onnxscript"):
         try:
-            versions.append(metadata.version(dist))
+            digest.update(metadata.version(dist).encode())
         except metadata.PackageNotFoundError:
-            versions.append("none")
-    return hashlib.sha256("|".join(versions).encode()).hexdigest()[:10]
+            digest.update(b"none")
+    return digest.hexdigest()[:10]
 
 
 def cached_onnx(

@@ -15,6 +15,7 @@ import json
 import logging
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="ORT relative error above which the exit status is 1")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    # Known noise of the exporter: missing optional torchvision ops, a pytree deprecation.
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
 
     rows = []
     total = time.perf_counter()

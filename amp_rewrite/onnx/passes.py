@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import onnx_ir as ir
+from onnx_ir.passes.common import ShapeInferencePass
 
 from amp_rewrite.core import LowDtype, PrecisionPlan, RuleSet, load_rules, plan_precision
 from amp_rewrite.core.report import node_records, precision_counts, unlisted_ops
@@ -41,6 +42,7 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
         self.stats: ApplyStats | None = None
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        infer_missing_types(model)
         self.view = build_view(model, self.options.dtype,
                                keep_io_types=self.options.keep_io_types)
         self.plan = plan_precision(self.view.graph, self.rules,
@@ -85,6 +87,16 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
 
         keys = [g.key for g in self.view.graph.groups() if g.name == node_name]
         return [line for k in keys for line in explain_chain(self.plan, self.view.graph, k)]
+
+
+def infer_missing_types(model: ir.Model) -> None:
+    """ONNX shape inference, only when some node output has no type (exporters usually
+    record them all, and inference on a 50k-node model costs seconds)."""
+    from amp_rewrite.onnx.view import walk_graphs
+
+    if any(v.type is None for g in walk_graphs(model.graph) for n in g for v in n.outputs
+           if v.name):
+        ShapeInferencePass(strict_mode=False)(model)
 
 
 def node_names(model: ir.Model) -> Sequence[str]:

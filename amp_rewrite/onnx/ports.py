@@ -74,6 +74,9 @@ def port_groups(node: ir.Node, opset: int, low: LowDtype) -> list[PortGroup]:
     if node.op_type in CONTROL_FLOW and node.domain == "":
         return [PortGroup(("*",), tuple(ins), tuple(outs),
                           "control-flow boundary keeps its dtype; its body is rewritten")]
+    if any(v.type is None for v in node.outputs if v.name):
+        return [PortGroup(("*",), tuple(ins), tuple(outs),
+                          "an output's type is unknown after shape inference")]
     if _has_non_tensor_port(node):
         return [PortGroup(("*",), tuple(ins), tuple(outs),
                           "sequence/optional element types are not rewritten")]

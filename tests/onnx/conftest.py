@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx.parser
+import pytest
+
+
+def parse(text: str) -> onnx.ModelProto:
+    """Parse ONNX text; graph-level declarations without values become zero initializers."""
+    model = onnx.parser.parse_model(text)
+    produced = {o for n in model.graph.node for o in n.output}
+    for vi in list(model.graph.value_info):
+        if vi.name in produced:
+            continue
+        t = vi.type.tensor_type
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type)
+        shape = [d.dim_value for d in t.shape.dim]
+        model.graph.initializer.append(onnx.numpy_helper.from_array(np.zeros(shape, dtype), vi.name))
+        model.graph.value_info.remove(vi)
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def ops(model: onnx.ModelProto) -> list[str]:
+    return [n.op_type for n in model.graph.node]
+
+
+def cast_targets(model: onnx.ModelProto) -> list[int]:
+    return [n.attribute[0].i for n in model.graph.node if n.op_type == "Cast"]
+
+
+def run_reference(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
+    from onnx.reference import ReferenceEvaluator
+
+    return ReferenceEvaluator(model).run(None, feeds)
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)

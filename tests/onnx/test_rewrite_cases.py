@@ -1,0 +1,275 @@
+"""The ONNX pass on golden graphs: one test per case of the pass's docstrings.
+
+Each test checks the rewritten model with the full checker, and numerics against the FP32
+model evaluated by onnx.reference (every op in its declared dtype).
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+from onnx import TensorProto
+
+from amp_rewrite.onnx import rewrite_onnx, rewrite_onnx_model
+
+from .conftest import cast_targets, ops, parse, run_reference
+
+F16, F32, BF16 = TensorProto.FLOAT16, TensorProto.FLOAT, TensorProto.BFLOAT16
+MLP = """
+<ir_version: 9, opset_import: ["" : 18]>
+mlp (float[2, 8] x) => (float[2, 4] y) <float[8, 16] w1, float[16, 4] w2> {
+    h = MatMul(x, w1)
+    a = Relu(h)
+    y = MatMul(a, w2)
+}
+"""
+
+
+def with_weights(model: onnx.ModelProto, rng, scale=1.0) -> onnx.ModelProto:
+    for init in model.graph.initializer:
+        if init.data_type != F32:
+            continue
+        shape = list(init.dims)
+        arr = (rng.standard_normal(shape) * scale).astype(np.float32)
+        init.CopyFrom(onnx.numpy_helper.from_array(arr, init.name))
+    return model
+
+
+def check_close(fp32, mixed, feeds, rtol=2e-2):
+    ref, got = run_reference(fp32, feeds), run_reference(mixed, feeds)
+    for r, g in zip(ref, got):
+        assert g.dtype == r.dtype
+        assert np.isfinite(g).all()
+        assert np.abs(r - g).max() <= rtol * np.abs(r).max() + 1e-3
+
+
+def test_mlp_runs_low_with_two_casts(rng):
+    fp32 = with_weights(parse(MLP), rng)
+    mixed = rewrite_onnx(fp32)
+    onnx.checker.check_model(mixed, full_check=True)
+    assert ops(mixed) == ["Cast", "MatMul", "Relu", "MatMul", "Cast"]
+    assert all(i.data_type == F16 for i in mixed.graph.initializer)
+    assert [i.name for i in mixed.graph.input] == ["x"] and mixed.graph.output[0].name == "y"
+    assert mixed.graph.output[0].type.tensor_type.elem_type == F32
+    check_close(fp32, mixed, {"x": rng.standard_normal((2, 8)).astype(np.float32)})
+
+
+def test_second_run_changes_nothing(rng):
+    once = rewrite_onnx(with_weights(parse(MLP), rng))
+    result = rewrite_onnx_model(once)
+    assert result.report["modified"] is False
+    assert ir.to_proto(result.model).SerializeToString() == ir.to_proto(
+        ir.from_proto(once)).SerializeToString()
+
+
+def test_bf16_target(rng):
+    fp32 = with_weights(parse(MLP), rng)
+    mixed = rewrite_onnx(fp32, dtype="bf16")
+    onnx.checker.check_model(mixed, full_check=True)
+    assert cast_targets(mixed) == [BF16, F32]
+    check_close(fp32, mixed, {"x": rng.standard_normal((2, 8)).astype(np.float32)}, rtol=5e-2)
+
+
+def test_deny_op_stays_fp32_and_downstream_gray_follows(rng):
+    model = parse("""
+    <ir_version: 9, opset_import: ["" : 18]>
+    g (float[2, 8] x) => (float[2, 8] y) <float[8, 8] w> {
+        h = MatMul(x, w)
+        e = Exp(h)
+        y = Add(e, h)
+    }""")
+    mixed = rewrite_onnx(with_weights(model, rng, 0.1))
+    kinds = {n.op_type: n for n in mixed.graph.node}
+    assert ops(mixed) == ["Cast", "MatMul", "Cast", "Exp", "Add"]
+    report = rewrite_onnx_model(with_weights(model, rng, 0.1)).report
+    add = next(r for r in report["nodes"] if r["op_type"] == "Add")
+    assert add["precision"] == "high" and "Exp" in add["reason"]
+    assert kinds["Exp"].output[0]
+
+
+def test_graph_output_that_feeds_nodes_keeps_name_and_dtype(rng):
+    model = parse("""
+    <ir_version: 9, opset_import: ["" : 18]>
+    g (float[2, 8] x) => (float[2, 8] h, float[2, 8] y) <float[8, 8] w, float[8, 8] w2> {
+        h = MatMul(x, w)
+        y = MatMul(h, w2)
+    }""")
+    fp32 = with_weights(model, rng)
+    mixed = rewrite_onnx(fp32)
+    onnx.checker.check_model(mixed, full_check=True)
+    assert [o.name for o in mixed.graph.output] == ["h", "y"]
+    assert all(o.type.tensor_type.elem_type == F32 for o in mixed.graph.output)
+    assert cast_targets(mixed).count(F32) == 2  # h and y leave as fp32, h still feeds w2 low
+    check_close(fp32, mixed, {"x": rng.standard_normal((2, 8)).astype(np.float32)})
+
+
+def test_batchnorm_type_variables_follow_the_data(rng):
+    model = parse("""
+    <ir_version: 9, opset_import: ["" : 15]>
+    g (float[1, 4, 3, 3] x) => (float[1, 4, 3, 3] y)
+      <float[4, 4, 1, 1] w, float[4] s, float[4] b, float[4] m, float[4] v> {
+        c = Conv(x, w)
+        y = BatchNormalization(c, s, b, m, v)
+    }""")
+    fp32 = with_weights(model, rng)
+    v = next(i for i in fp32.graph.initializer if i.name == "v")
+    v.CopyFrom(onnx.numpy_helper.from_array(np.abs(onnx.numpy_helper.to_array(v)) + 0.5, "v"))
+    mixed = rewrite_onnx(fp32)
+    onnx.checker.check_model(mixed, full_check=True)
+    assert {i.name: i.data_type for i in mixed.graph.initializer} == dict.fromkeys("wsbmv", F16)
+    check_close(fp32, mixed, {"x": rng.standard_normal((1, 4, 3, 3)).astype(np.float32)})
+
+
+def test_layernorm_statistics_stay_fp32(rng):
+    model = parse("""
+    <ir_version: 9, opset_import: ["" : 18]>
+    g (float[2, 8] x) => (float[2, 8] y, float[2, 1] mean) <float[8, 8] w, float[8] s> {
+        h = MatMul(x, w)
+        y, mean = LayerNormalization <axis = -1> (h, s)
+    }""")
+    mixed = rewrite_onnx(with_weights(model, rng))
+    onnx.checker.check_model(mixed, full_check=True)
+    ln = next(n for n in mixed.graph.node if n.op_type == "LayerNormalization")
+    types = {vi.name: vi.type.tensor_type.elem_type for vi in
+             [*mixed.graph.value_info, *mixed.graph.output]}
+    assert types["mean"] == F32 and ln.output[1] == "mean"
+
+
+def test_resize_scales_stay_float32(rng):
+    model = parse("""
+    <ir_version: 9, opset_import: ["" : 18]>
+    g (float[1, 2, 4, 4] x) => (float[1, 2, 8, 8] y) <float[2, 2, 1, 1] w, float[4] sc = {1.0, 1.0, 2.0, 2.0}> {
+        c = Conv(x, w)
+        y = Resize <mode = "nearest"> (c, , sc)
+    }""")
+    fp32 = with_weights(model, rng)
+    sc = next(i for i in fp32.graph.initializer if i.name == "sc")
+    sc.CopyFrom(onnx.numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "sc"))
+    mixed = rewrite_onnx(fp32)
+    onnx.checker.check_model(mixed, full_check=True)
+    inits = {i.name: i.data_type for i in mixed.graph.initializer}
+    assert inits["sc"] == F32 and inits["w"] == F16
+    check_close(fp32, mixed, {"x": rng.standard_normal((1, 2, 4, 4)).astype(np.float32)})
+
+
+def test_model_cast_from_int_is_retyped_not_duplicated(rng):
+    model = parse("""
+    <ir_version: 9, opset_import: ["" : 18]>
+    g (int64[2, 8] ids, float[2, 8] x) => (float[2, 8] y) <float[8, 8] w> {
+        f = Cast <to = 1> (ids)
+        s = Add(x, f)
+        h = MatMul(f, w)
+        y = Add(h, s)
+    }""")
+    fp32 = with_weights(model, rng)
+    mixed = rewrite_onnx(fp32)
+    onnx.checker.check_model(mixed, full_check=True)
+    own = next(n for n in mixed.graph.node if n.op_type == "Cast" and n.input[0] == "ids")
+    assert own.attribute[0].i == F16  # retyped: its readers are low
+    feeds = {"ids": rng.integers(0, 5, (2, 8)), "x": rng.standard_normal((2, 8)).astype(np.float32)}
+    check_close(fp32, mixed, feeds)
+
+
+def test_constant_of_shape_value_is_retyped(rng):
+    model = parse("""
+    <ir_version: 9, opset_import: ["" : 18]>
+    g (float[2, 8] x) => (float[2, 8] y) <float[8, 8] w, int64[2] shp = {2, 8}> {
+        z = ConstantOfShape <value = float[1] {0.5}> (shp)
+        h = MatMul(x, w)
+        y2 = Add(h, z)
+        y = MatMul(y2, w)
+    }""")
+    fp32 = with_weights(model, rng)
+    mixed = rewrite_onnx(fp32)
+    onnx.checker.check_model(mixed, full_check=True)
+    cos = next(n for n in mixed.graph.node if n.op_type == "ConstantOfShape")
+    assert cos.attribute[0].t.data_type == F16
+    check_close(fp32, mixed, {"x": rng.standard_normal((2, 8)).astype(np.float32)})
+
+
+def test_constants_beyond_fp16_range_are_clamped_and_counted(rng):
+    model = parse("""
+    <ir_version: 9, opset_import: ["" : 18]>
+    g (float[2, 8] x, bool[2, 8] keep) => (float[2, 8] y) <float[8, 8] w, float big> {
+        h = MatMul(x, w)
+        m = Where(keep, h, big)
+        y = MatMul(m, w)
+    }""")
+    fp32 = with_weights(model, rng)
+    big = next(i for i in fp32.graph.initializer if i.name == "big")
+    big.CopyFrom(onnx.numpy_helper.from_array(np.array(-3.4e38, np.float32), "big"))
+    result = rewrite_onnx_model(fp32)
+    assert result.report["values_clamped"] == 1 and result.report["clamped_constants"] == ["big"]
+    mixed = ir.to_proto(result.model)
+    big16 = next(i for i in mixed.graph.initializer if i.name == "big")
+    assert onnx.numpy_helper.to_array(big16) == np.float16(-65504)
+
+
+def test_if_branches_are_rewritten_and_capture_outer_values(rng):
+    model = parse("""
+    <ir_version: 9, opset_import: ["" : 18]>
+    g (float[2, 8] x, bool c) => (float[2, 8] y) <float[8, 8] w> {
+        h = MatMul(x, w)
+        y = If(c) <
+          then_branch = t () => (float[2, 8] o1) { o1 = MatMul(h, w) },
+          else_branch = e () => (float[2, 8] o2) { o2 = Relu(h) }
+        >
+    }""")
+    fp32 = with_weights(model, rng)
+    mixed = rewrite_onnx(fp32)
+    onnx.checker.check_model(mixed, full_check=True)
+    then = next(n for n in mixed.graph.node if n.op_type == "If").attribute
+    branch = {a.name: a.g for a in then}["then_branch"]
+    assert [n.op_type for n in branch.node] == ["MatMul", "Cast"]  # low GEMM, fp32 out
+    x = rng.standard_normal((2, 8)).astype(np.float32)
+    for c in (True, False):
+        check_close(fp32, mixed, {"x": x, "c": np.array(c)})
+
+
+def test_unknown_custom_op_is_kept_fp32_and_reported(rng):
+    model = parse("""
+    <ir_version: 9, opset_import: ["" : 18, "my.domain" : 1]>
+    g (float[2, 8] x) => (float[2, 8] y) <float[8, 8] w> {
+        h = MatMul(x, w)
+        y = my.domain.Mystery(h)
+    }""")
+    result = rewrite_onnx_model(with_weights(model, rng), check=False)
+    assert result.report["unlisted_ops"] == ["my.domain::Mystery"]
+    mystery = next(r for r in result.report["nodes"] if r["op_type"] == "my.domain::Mystery")
+    assert mystery["precision"] == "high"
+
+
+def test_model_without_float_tensors_is_unchanged():
+    model = parse("""
+    <ir_version: 9, opset_import: ["" : 18]>
+    g (int64[4] a, int64[4] b) => (int64[4] c) { c = Add(a, b) }""")
+    result = rewrite_onnx_model(model)
+    assert result.report["modified"] is False and result.report["nodes"] == []
+
+
+def test_keep_io_types_off_retypes_inputs_and_outputs(rng):
+    mixed = rewrite_onnx(with_weights(parse(MLP), rng), keep_io_types=False)
+    assert ops(mixed) == ["MatMul", "Relu", "MatMul"]
+    assert mixed.graph.input[0].type.tensor_type.elem_type == F16
+
+
+def test_keep_fp32_pattern_pins_a_node(rng):
+    model = with_weights(parse(MLP), rng)
+    for i, node in enumerate(model.graph.node):
+        node.name = f"n{i}"
+    report = rewrite_onnx_model(model, keep_fp32=["n2"]).report
+    assert {r["name"]: r["precision"] for r in report["nodes"]} == {
+        "n0": "low", "n1": "low", "n2": "high"}
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_bf16_conv_not_admitted_at_opset_18(rng, dtype):
+    model = parse("""
+    <ir_version: 9, opset_import: ["" : 18]>
+    g (float[1, 2, 4, 4] x) => (float[1, 2, 4, 4] y) <float[2, 2, 1, 1] w> { y = Conv(x, w) }""")
+    report = rewrite_onnx_model(with_weights(model, rng), dtype=dtype).report
+    conv = report["nodes"][0]
+    assert conv["precision"] == ("low" if dtype == "fp16" else "high")
+    if dtype == "bf16":
+        assert "does not admit bfloat16" in conv["reason"]
