@@ -194,8 +194,10 @@ class LossScaler:
 
         Once per optimizer between ``update()`` calls; no host synchronisation.
         """
-        if not self._enabled:
-            return
+        if self._enabled:
+            self._unscale(optimizer, "unscale_()")
+
+    def _unscale(self, optimizer: torch.optim.Optimizer, caller: str) -> None:
         record = self._record(optimizer)
         if record.stage is _Stage.UNSCALED:
             raise TrainingError(
@@ -204,7 +206,7 @@ class LossScaler:
         if record.stage is _Stage.STEPPED:
             raise TrainingError("unscale_() called after step() for this optimizer; "
                                 "call update() first")
-        record.found_inf = self._check(optimizer, unscale=True, caller="unscale_()")
+        record.found_inf = self._check(optimizer, unscale=True, caller=caller)
         record.stage = _Stage.UNSCALED
 
     def _home_device(self, optimizer: torch.optim.Optimizer, caller: str) -> torch.device:
@@ -258,7 +260,7 @@ class LossScaler:
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             return self._fused_step(optimizer, record, args, kwargs)
         if record.stage is _Stage.READY:
-            self.unscale_(optimizer)
+            self._unscale(optimizer, "step()")
         assert record.found_inf is not None
         stepped = not record.found_inf.item()  # the one host read of a step
         result = optimizer.step(*args, **kwargs) if stepped else None

@@ -52,7 +52,7 @@ def host_reads(mode: str) -> Iterator[list[str]]:
                 setattr(torch.Tensor, name, value)
 
 
-def _setup(fused: bool, overflow: bool) -> tuple[torch.nn.Linear, torch.optim.Optimizer]:
+def _setup(fused: bool) -> tuple[torch.nn.Linear, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     if fused:
@@ -71,7 +71,7 @@ def _backward(model: torch.nn.Linear, scaler: LossScaler, overflow: bool) -> Non
 
 @pytest.mark.parametrize("overflow", [False, True])
 def test_state_stays_on_device_through_unscale_and_update(overflow: bool) -> None:
-    model, opt = _setup(fused=False, overflow=overflow)
+    model, opt = _setup(fused=False)
     scaler = LossScaler(growth_interval=1, hysteresis=2, min_scale=1.0, max_scale=2.0**20)
     _backward(model, scaler, overflow)
     with host_reads("raise"):
@@ -92,7 +92,7 @@ def test_state_stays_on_device_through_unscale_and_update(overflow: bool) -> Non
 
 @pytest.mark.parametrize("overflow", [False, True])
 def test_generic_step_reads_the_flag_exactly_once(overflow: bool) -> None:
-    model, opt = _setup(fused=False, overflow=overflow)
+    model, opt = _setup(fused=False)
     scaler = LossScaler()
     _backward(model, scaler, overflow)
     with host_reads("count") as seen:
@@ -102,7 +102,7 @@ def test_generic_step_reads_the_flag_exactly_once(overflow: bool) -> None:
 
 @pytest.mark.parametrize("overflow", [False, True])
 def test_fused_optimizer_step_makes_no_host_read(overflow: bool) -> None:
-    model, opt = _setup(fused=True, overflow=overflow)
+    model, opt = _setup(fused=True)
     scaler = LossScaler()
     _backward(model, scaler, overflow)
     before = model.weight.detach().clone()
@@ -113,7 +113,7 @@ def test_fused_optimizer_step_makes_no_host_read(overflow: bool) -> None:
 
 
 def test_amp_optimizer_step_makes_at_most_one_host_read() -> None:
-    model, _ = _setup(fused=False, overflow=False)
+    model, _ = _setup(fused=False)
     amp = AmpOptimizer(torch.optim.Adam(model.parameters(), fused=True), accumulation_steps=2)
     with host_reads("raise"):
         for _ in range(2):

@@ -1,0 +1,230 @@
+"""What an fx node is, in the rule files' vocabulary: op keys, dtype arguments, aliasing.
+
+ATen overloads map to their operator name without namespace and overload
+(``aten.linear.default`` → ``linear``), in-place variants to their functional name
+(``add_`` → ``add``), custom ops to ``namespace::name`` and higher-order ops to
+``higher_order::name``. Modules, functions and methods of ``symbolic_trace`` graphs map onto the
+same keys (``nn.Linear``, ``F.linear`` → ``linear``; ``x.softmax`` → ``softmax``).
+"""
+from __future__ import annotations
+
+import operator
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+_OPERATOR_KEYS = {
+    operator.add: "add", operator.sub: "sub", operator.mul: "mul", operator.truediv: "div",
+    operator.floordiv: "floor_divide", operator.matmul: "matmul", operator.neg: "neg",
+    operator.pow: "pow", operator.mod: "remainder", operator.abs: "abs",
+    operator.iadd: "add", operator.isub: "sub", operator.imul: "mul",
+    operator.itruediv: "div", operator.eq: "eq", operator.ne: "ne", operator.lt: "lt",
+    operator.le: "le", operator.gt: "gt", operator.ge: "ge",
+}
+# Python's in-place operators and their out-of-place forms.
+INPLACE_OPERATORS = {operator.iadd: operator.add, operator.isub: operator.sub,
+                     operator.imul: operator.mul, operator.itruediv: operator.truediv}
+
+# torch-level functions whose name is not their ATen name.
+_FUNCTION_ALIASES = {"cross_entropy": "cross_entropy_loss", "normalize": "norm",
+                     "softmin": "softmax", "binary_cross_entropy_with_logits":
+                     "binary_cross_entropy_with_logits", "concatenate": "cat"}
+_CONVERSION_METHODS = {"float": torch.float32, "half": torch.float16,
+                       "bfloat16": torch.bfloat16, "double": torch.float64}
+_INTERPOLATE_KEYS = {"nearest": "upsample_nearest{n}d", "nearest-exact":
+                     "_upsample_nearest_exact{n}d", "linear": "upsample_linear1d",
+                     "bilinear": "upsample_bilinear2d", "bicubic": "upsample_bicubic2d",
+                     "trilinear": "upsample_trilinear3d", "area": "adaptive_avg_pool{n}d"}
+
+_MODULE_KEYS: dict[type, str] = {
+    nn.Linear: "linear", nn.Bilinear: "bilinear", nn.LayerNorm: "layer_norm",
+    nn.GroupNorm: "group_norm", nn.RMSNorm: "rms_norm", nn.Embedding: "embedding",
+    nn.ReLU: "relu", nn.ReLU6: "hardtanh", nn.Hardtanh: "hardtanh", nn.GELU: "gelu",
+    nn.SiLU: "silu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid", nn.Softmax: "softmax",
+    nn.LogSoftmax: "log_softmax", nn.Softmin: "softmax", nn.Softplus: "softplus",
+    nn.LeakyReLU: "leaky_relu", nn.ELU: "elu", nn.SELU: "selu", nn.CELU: "celu",
+    nn.Mish: "mish", nn.GLU: "glu", nn.Hardswish: "hardswish", nn.Hardsigmoid: "hardsigmoid",
+    nn.PReLU: "prelu", nn.Threshold: "threshold", nn.Identity: "alias",
+    nn.Flatten: "flatten", nn.Unflatten: "unflatten", nn.PixelShuffle: "pixel_shuffle",
+    nn.PixelUnshuffle: "pixel_unshuffle", nn.Dropout: "dropout", nn.Dropout1d: "dropout",
+    nn.Dropout2d: "dropout", nn.Dropout3d: "dropout", nn.AlphaDropout: "alpha_dropout",
+    nn.CosineSimilarity: "cosine_similarity", nn.MSELoss: "mse_loss", nn.L1Loss: "l1_loss",
+    nn.CrossEntropyLoss: "cross_entropy_loss", nn.NLLLoss: "nll_loss",
+    nn.BCELoss: "binary_cross_entropy", nn.BCEWithLogitsLoss: "binary_cross_entropy_with_logits",
+    nn.SmoothL1Loss: "smooth_l1_loss", nn.HuberLoss: "huber_loss", nn.KLDivLoss: "kl_div",
+}
+# Numbered families: Conv2d -> conv2d, BatchNorm1d -> batch_norm, ...
+_MODULE_FAMILIES = [
+    (re.compile(r"ConvTranspose(\d)d"), "conv_transpose{n}d"), (re.compile(r"Conv(\d)d"), "conv{n}d"),
+    (re.compile(r"(?:Lazy)?BatchNorm(\d)d"), "batch_norm"),
+    (re.compile(r"InstanceNorm(\d)d"), "instance_norm"),
+    (re.compile(r"MaxPool(\d)d"), "max_pool{n}d"), (re.compile(r"AvgPool(\d)d"), "avg_pool{n}d"),
+    (re.compile(r"AdaptiveAvgPool(\d)d"), "adaptive_avg_pool{n}d"),
+    (re.compile(r"AdaptiveMaxPool(\d)d"), "adaptive_max_pool{n}d"),
+    (re.compile(r"ReflectionPad(\d)d"), "reflection_pad{n}d"),
+    (re.compile(r"ReplicationPad(\d)d"), "replication_pad{n}d"),
+    (re.compile(r"(?:Constant|Zero)Pad(\d)d"), "constant_pad_nd"),
+]
+
+
+def strip_inplace(name: str) -> str:
+    """``add_`` → ``add``; dunders such as ``__and__`` stay as they are."""
+    if name.endswith("_") and not name.endswith("__"):
+        return name[:-1]
+    return name
+
+
+def is_aten_name(name: str) -> bool:
+    return hasattr(torch.ops.aten, name)
+
+
+def op_key(node: torch.fx.Node, gm: torch.fx.GraphModule) -> str:
+    """The rule-file key of a call node (see the module docstring)."""
+    if node.op == "call_module":
+        return module_key(gm.get_submodule(node.target), node)
+    if node.op == "call_method":
+        return method_key(node.target)
+    return function_key(node)
+
+
+def function_key(node: torch.fx.Node) -> str:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
+        namespace, _, name = target._qualified_op_name.partition("::") if isinstance(
+            target, torch._ops.OpOverloadPacket) else target._schema.name.partition("::")
+        name = strip_inplace(name)
+        return name if namespace == "aten" else f"{namespace}::{name}"
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return f"higher_order::{target.name()}"
+    if target in _OPERATOR_KEYS:
+        return _OPERATOR_KEYS[target]
+    if target is operator.getitem:
+        return "index"
+    name = getattr(target, "__name__", str(target))
+    if name == "interpolate":
+        return _interpolate_key(node)
+    name = _FUNCTION_ALIASES.get(name, name)
+    if not is_aten_name(name) and is_aten_name(name.lstrip("_")):
+        name = name.lstrip("_")
+    return strip_inplace(name) if is_aten_name(strip_inplace(name)) else _qualname(target)
+
+
+def method_key(name: str) -> str:
+    if name in _CONVERSION_METHODS or name == "type":
+        return "to"
+    return strip_inplace(name)
+
+
+def module_key(module: nn.Module, node: torch.fx.Node | None = None) -> str:
+    cls = type(module)
+    if cls in _MODULE_KEYS:
+        return _MODULE_KEYS[cls]
+    if isinstance(module, nn.Upsample) and node is not None:
+        return _interpolate_key(node, module.mode)
+    for pattern, key in _MODULE_FAMILIES:
+        match = pattern.fullmatch(cls.__name__)
+        if match:
+            return key.format(n=match.group(1))
+    return _qualname(cls)
+
+
+def _interpolate_key(node: torch.fx.Node, mode: str | None = None) -> str:
+    mode = mode or node.kwargs.get("mode", "nearest")
+    val = node.args[0].meta.get("val") if node.args and isinstance(
+        node.args[0], torch.fx.Node) else None
+    n = val.dim() - 2 if isinstance(val, torch.Tensor) else 2
+    return _INTERPOLATE_KEYS.get(mode, f"upsample_{mode}").format(n=n)
+
+
+def _qualname(obj: Any) -> str:
+    return f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', repr(obj))}"
+
+
+# ------------------------------------------------------------------------- dtype arguments
+
+
+def explicit_dtype(node: torch.fx.Node) -> torch.dtype | None:
+    """The output dtype a node's own arguments fix (conversions, factories), else None."""
+    if node.op == "call_method" and node.target in _CONVERSION_METHODS:
+        return _CONVERSION_METHODS[node.target]
+    if node.op == "call_method" and node.target in ("to", "type"):
+        return next((a for a in (*node.args[1:], *node.kwargs.values())
+                     if isinstance(a, torch.dtype)), None)
+    dtype = node.kwargs.get("dtype")
+    if dtype is None and isinstance(node.target, torch._ops.OpOverload):
+        index = _schema_index(node.target, "dtype")
+        if index is not None and index < len(node.args):
+            dtype = node.args[index]
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def _schema_index(op: torch._ops.OpOverload, name: str) -> int | None:
+    for i, arg in enumerate(op._schema.arguments):
+        if arg.name == name and not arg.kwarg_only:
+            return i
+    return None
+
+
+def follows_other_dtype(node: torch.fx.Node) -> bool:
+    """``x.type_as(y)`` / ``aten.to.other``: the output takes the dtype of the second tensor."""
+    if node.op == "call_method":
+        return node.target == "type_as" or (
+            node.target == "to" and len(node.args) > 1 and isinstance(node.args[1], torch.fx.Node))
+    return node.target in (torch.ops.aten.type_as.default, torch.ops.aten.to.other)
+
+
+# ------------------------------------------------------------------------- aliasing
+
+
+def mutated_argument(node: torch.fx.Node, gm: torch.fx.GraphModule) -> torch.fx.Node | None:
+    """The tensor argument a node writes in place, if any."""
+    target = node.target
+    if node.op == "call_function" and isinstance(target, torch._ops.OpOverload):
+        for arg, value in zip(target._schema.arguments, node.args):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                return value if isinstance(value, torch.fx.Node) else None
+        return None
+    first = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
+    if node.op == "call_method" and strip_inplace(target) != target:
+        return first
+    if node.op == "call_function" and (target in INPLACE_OPERATORS
+                                       or node.kwargs.get("inplace") is True):
+        return first
+    if node.op == "call_module" and getattr(gm.get_submodule(target), "inplace", False):
+        return first
+    return None
+
+
+def is_view(node: torch.fx.Node, clear_ops: frozenset[str], gm: torch.fx.GraphModule) -> bool:
+    """True when the node's output may alias its first input.
+
+    ATen schemas say so exactly; for torch-level nodes every clear op is assumed to alias,
+    which is safe (more aliasing only makes the rewrite more careful).
+    """
+    target = node.target
+    if node.op == "call_function" and isinstance(target, torch._ops.OpOverload):
+        returns = target._schema.returns
+        return bool(returns) and returns[0].alias_info is not None and not (
+            returns[0].alias_info.is_write)
+    if node.op == "call_function" and target is operator.getitem:
+        return True
+    if node.op in ("call_function", "call_method", "call_module"):
+        return op_key(node, gm) in clear_ops
+    return False
+
+
+def functional_variant(node: torch.fx.Node) -> Any | None:
+    """The out-of-place target for an in-place call (``aten.add_.Tensor`` → ``aten.add.Tensor``)."""
+    target = node.target
+    if node.op == "call_function" and isinstance(target, torch._ops.OpOverload):
+        name = strip_inplace(target._schema.name.partition("::")[2])
+        packet = getattr(torch.ops.aten, name, None) if target.namespace == "aten" else None
+        overload = target._overloadname
+        return getattr(packet, overload, None) if packet is not None else None
+    if node.op == "call_method":
+        return strip_inplace(target)
+    if node.op == "call_function" and target in INPLACE_OPERATORS:
+        return INPLACE_OPERATORS[target]
+    return None
