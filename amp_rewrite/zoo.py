@@ -25,7 +25,6 @@ import logging
 import os
 import tempfile
 from collections.abc import Callable
-from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -195,13 +194,19 @@ def _randn_inputs(*shape: int) -> Callable[[torch.Generator, int], tuple]:
 _TINY = {"num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64}
 
 
-def _hf(cls_name: str, config_name: str, **config: Any) -> Callable[[str], torch.nn.Module]:
-    """A maker that builds ``transformers.<cls_name>(<config_name>(**config))``."""
+def _hf(
+    cls_name: str, config_name: str, uses_attention: bool = True, **config: Any
+) -> Callable[[str], torch.nn.Module]:
+    """A maker that builds ``transformers.<cls_name>(<config_name>(**config))``.
+
+    Attention-free models get no ``attn_implementation``: HF refuses "sdpa" for them.
+    """
 
     def make(attn: str) -> torch.nn.Module:
         import transformers
 
-        cfg = getattr(transformers, config_name)(attn_implementation=attn, **config)
+        attn_config = {"attn_implementation": attn} if uses_attention else {}
+        cfg = getattr(transformers, config_name)(**attn_config, **config)
         return getattr(transformers, cls_name)(cfg)
 
     return make
@@ -302,20 +307,22 @@ _SPECS: dict[str, _Spec] = {
         "Swin transformer (shifted-window attention, patch merging); returns logits",
     ),
     "resnet": _Spec(
-        _hf("ResNetForImageClassification", "ResNetConfig", embedding_size=16,
-            hidden_sizes=[32, 64], depths=[1, 1], layer_type="bottleneck", num_labels=10),
+        _hf("ResNetForImageClassification", "ResNetConfig", uses_attention=False,
+            embedding_size=16, hidden_sizes=[32, 64], depths=[1, 1], layer_type="bottleneck",
+            num_labels=10),
         "image", _image_inputs(_IMAGE),
         "ResNet with bottleneck blocks and batch norm; returns logits",
     ),
     "convnext": _Spec(
-        _hf("ConvNextForImageClassification", "ConvNextConfig", patch_size=4, num_stages=2,
-            hidden_sizes=[16, 32], depths=[1, 1], num_labels=10),
+        _hf("ConvNextForImageClassification", "ConvNextConfig", uses_attention=False,
+            patch_size=4, num_stages=2, hidden_sizes=[16, 32], depths=[1, 1], num_labels=10),
         "image", _image_inputs(_IMAGE),
         "ConvNeXt (7x7 depthwise convs, channels-last LayerNorm, layer scale); returns logits",
     ),
     "mobilenet_v2": _Spec(
-        _hf("MobileNetV2ForImageClassification", "MobileNetV2Config", image_size=_IMAGE,
-            depth_multiplier=0.25, min_depth=8, finegrained_output=False, num_labels=10),
+        _hf("MobileNetV2ForImageClassification", "MobileNetV2Config", uses_attention=False,
+            image_size=_IMAGE, depth_multiplier=0.25, min_depth=8, finegrained_output=False,
+            num_labels=10),
         "image", _image_inputs(_IMAGE),
         "MobileNetV2 (inverted residuals, depthwise convs, ReLU6); returns logits",
     ),
@@ -368,7 +375,10 @@ def build(
 ) -> ZooModel:
     """Build zoo model ``name`` with weights and inputs drawn from ``seed``.
 
-    The global torch RNG is left untouched (weights are drawn inside ``fork_rng``).
+    ``batch`` is the leading dimension of every input.  ``attn_implementation`` is passed to
+    the HF config ("eager": explicit MatMul/Softmax; "sdpa": one fused attention call per
+    layer); attention-free models ignore it.  The global torch RNG is left untouched (weights
+    are drawn inside ``fork_rng``).
     """
     import torch
 
@@ -491,6 +501,8 @@ def default_cache_dir() -> Path:
 
 def _cache_tag() -> str:
     """Changes whenever an export could differ: this file, torch, transformers, onnxscript."""
+    from importlib import metadata  # not at module level: keeps ``import zoo`` at ~10 ms
+
     digest = hashlib.sha256(Path(__file__).read_bytes())
     for dist in ("torch", "transformers", "onnxscript"):
         try:
@@ -510,7 +522,8 @@ def cached_onnx(
     """Path to zoo model ``name`` as ONNX, exporting it on first use only.
 
     Tests that need the same model share one export.  The file name carries the seed, the
-    opset and a tag of the library versions, so a stale export is never reused.
+    opset and a hash of this file and the torch/transformers/onnxscript versions, so a stale
+    export is never reused.
     """
     _spec(name)  # fail on unknown names before touching the file system
     opset = opset or DEFAULT_OPSET

@@ -37,8 +37,14 @@ def rule_fixes(graph: PrecisionGraph, rules: RuleSet, classes: dict[Hashable, Op
     """Fixes from the adapter, user pins and allow/deny classes."""
     patterns = list(keep_fp32)
     fixes: dict[Hashable, Fix] = {}
+    by_op: dict[tuple, Fix | None] = {}  # class fixes depend on the op only: share them
     for group in graph.groups():
-        fix = _adapter_or_pin_fix(group, patterns) or _class_fix(group, rules, classes[group.key])
+        fix = _adapter_or_pin_fix(group, patterns) if group.fixed or patterns else None
+        if fix is None:
+            op = (group.op_key, classes[group.key])
+            if op not in by_op:
+                by_op[op] = _class_fix(group, rules, op[1])
+            fix = by_op[op]
         if fix is not None:
             fixes[group.key] = fix
     return fixes

@@ -13,7 +13,8 @@ graph, the smallest HIGH set among all minimum cuts, so remaining ties go to LOW
 
 Fixed groups are terminals, so the problem splits into independent free *regions*; a region
 whose neighbours are all LOW is all-LOW without a flow, small regions are enumerated, and only the
-rest build a flow network.
+rest build a flow network. Regions are put in a canonical form first, so the repeated layers of a
+model are solved once.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ class Region:
 
 
 def free_regions(graph: PrecisionGraph, fixed: dict[Hashable, Precision]) -> list[Region]:
-    """Connected components of free groups, joined through shared values."""
+    """Connected components of free groups, joined through shared values (union-find)."""
     parent: dict[Hashable, Hashable] = {}
 
     def find(x: Hashable) -> Hashable:
@@ -51,17 +52,21 @@ def free_regions(graph: PrecisionGraph, fixed: dict[Hashable, Precision]) -> lis
             parent[x], x = root, parent[x]
         return root
 
-    touching: dict[Hashable, list[Hashable]] = {}
-    for value in graph.values():
-        ends = [g for g in _endpoints(graph, value.key) if g not in fixed]
-        for g in ends:
-            parent.setdefault(g, g)
-        for a, b in itertools.pairwise(ends):
-            ra, rb = find(a), find(b)
+    touching: list[tuple[Hashable, Hashable]] = []  # (a free endpoint, value)
+    producer, consumers = graph._producer, graph._consumers
+    for value, readers in consumers.items():
+        p = producer.get(value)
+        ends = [g for g in (p, *readers) if g is not None and g not in fixed]
+        if not ends:
+            continue
+        first = ends[0]
+        parent.setdefault(first, first)
+        for other in ends[1:]:
+            parent.setdefault(other, other)
+            ra, rb = find(first), find(other)
             if ra != rb:
                 parent[rb] = ra
-        if ends:
-            touching.setdefault(find(ends[0]), []).append(value.key)
+        touching.append((first, value))
     return _collect(parent, find, touching)
 
 
@@ -70,8 +75,8 @@ def _collect(parent, find, touching) -> list[Region]:
     for g in parent:
         groups.setdefault(find(g), []).append(g)
     values: dict[Hashable, list[Hashable]] = {}
-    for root, vals in touching.items():
-        values.setdefault(find(root), []).extend(vals)
+    for g, v in touching:
+        values.setdefault(find(g), []).append(v)
     return [Region(tuple(gs), tuple(values.get(root, ()))) for root, gs in groups.items()]
 
 
@@ -88,66 +93,60 @@ def traffic_units(graph: PrecisionGraph, group: Hashable) -> int:
     return sum(graph.cost_units(v) for v in (*graph.inputs(group), *graph.outputs(group)))
 
 
-def energy(graph: PrecisionGraph, values: Iterable[Hashable], groups: Iterable[Hashable],
-           label: dict[Hashable, Precision]) -> int:
-    """CAST_WEIGHT · cast bytes + traffic of groups left HIGH, for the given labelling."""
-    total = 0
-    for v in values:
-        total += CAST_WEIGHT * graph.cost_units(v) * len(needed_casts(graph, v, label))
-    for g in groups:
-        if label[g] is Precision.HIGH:
-            total += traffic_units(graph, g)
-    return total
+# A region in canonical form: free groups are numbered 0..n-1 and fixed neighbours appear as
+# their Precision, so regions with the same structure (repeated layers) share one solution.
+Ref = int | Precision
+Term = tuple[int, Ref, tuple[Ref, ...]]  # (cast weight, producer, consumers) of one value
 
 
-def needed_casts(graph: PrecisionGraph, value: Hashable,
-                 label: dict[Hashable, Precision]) -> set[Precision]:
-    """Target precisions a value must be cast to for its consumers."""
-    producer = graph.producer(value)
-    have = label[producer] if producer is not None else Precision.HIGH
-    return {label[c] for c in graph.consumers(value) if label[c] is not have}
+def canonical(graph: PrecisionGraph, region: Region,
+              fixed: dict[Hashable, Precision]) -> tuple[tuple[Term, ...], tuple[int, ...]]:
+    index = {g: i for i, g in enumerate(region.groups)}
+
+    def ref(g: Hashable) -> Ref:
+        i = index.get(g)
+        return fixed[g] if i is None else i
+
+    terms = tuple((CAST_WEIGHT * graph.cost_units(v), ref(graph.producer(v)),
+                   tuple(map(ref, graph.consumers(v))))
+                  for v in region.values
+                  if graph.consumers(v) and graph.producer(v) is not None)
+    return terms, tuple(traffic_units(graph, g) for g in region.groups)
 
 
-def solve_region(graph: PrecisionGraph, region: Region,
-                 fixed: dict[Hashable, Precision]) -> dict[Hashable, Precision]:
-    """Optimal labels for one region's free groups (fixed groups as given)."""
-    if _all_neighbours_low(graph, region, fixed):
-        return dict.fromkeys(region.groups, Precision.LOW)
-    if len(region.groups) <= ENUMERATE_UP_TO:
-        return _enumerate(graph, region, fixed)
-    return _min_cut(graph, region, fixed)
+def solve_canonical(terms: tuple[Term, ...], traffic: tuple[int, ...]) -> tuple[Precision, ...]:
+    """Optimal labels of the numbered free groups."""
+    n = len(traffic)
+    if all(r is Precision.LOW for _, p, cs in terms for r in (p, *cs) if not isinstance(r, int)):
+        return (Precision.LOW,) * n  # no HIGH neighbour: all low costs nothing
+    if n <= ENUMERATE_UP_TO:
+        return _enumerate(terms, traffic)
+    return _min_cut(terms, traffic)
 
 
-def _all_neighbours_low(graph, region: Region, fixed) -> bool:
-    for v in region.values:
-        for g in _endpoints(graph, v):
-            if fixed.get(g, Precision.LOW) is not Precision.LOW:
-                return False
-    return True
-
-
-def _enumerate(graph, region: Region, fixed) -> dict[Hashable, Precision]:
+def _enumerate(terms, traffic) -> tuple[Precision, ...]:
     """Brute force; ties go to the fewest HIGH groups, as the min cut's minimal source side."""
-    best: tuple[int, int] | None = None
-    best_label: dict[Hashable, Precision] = {}
-    label = dict(fixed)
-    for bits in itertools.product((Precision.LOW, Precision.HIGH), repeat=len(region.groups)):
-        label.update(zip(region.groups, bits))
-        score = (energy(graph, region.values, region.groups, label),
-                 bits.count(Precision.HIGH))
+    best, best_bits = None, ()
+    for bits in itertools.product((Precision.LOW, Precision.HIGH), repeat=len(traffic)):
+        cost = sum(t for t, b in zip(traffic, bits) if b is Precision.HIGH)
+        for w, p, cs in terms:
+            have = bits[p] if isinstance(p, int) else p
+            wanted = {bits[c] if isinstance(c, int) else c for c in cs}
+            cost += w * len(wanted - {have})
+        score = (cost, bits.count(Precision.HIGH))
         if best is None or score < best:
-            best, best_label = score, dict(zip(region.groups, bits))
-    return best_label
+            best, best_bits = score, bits
+    return best_bits
 
 
-def _min_cut(graph, region: Region, fixed) -> dict[Hashable, Precision]:
+def _min_cut(terms, traffic) -> tuple[Precision, ...]:
     flow = nx.DiGraph()
-    flow.add_nodes_from((_S, _T))
+    flow.add_nodes_from((_S, _T, *range(len(traffic))))
 
-    def node(g: Hashable) -> Hashable:
-        if g in fixed:
-            return _S if fixed[g] is Precision.HIGH else _T
-        return g
+    def node(r: Ref) -> Hashable:
+        if isinstance(r, int):
+            return r
+        return _S if r is Precision.HIGH else _T
 
     def add(a: Hashable, b: Hashable, cap: int | None) -> None:
         """Add capacity ``cap`` to edge a→b; None is infinite (no attribute, for networkx)."""
@@ -161,35 +160,27 @@ def _min_cut(graph, region: Region, fixed) -> dict[Hashable, Precision]:
         # Accumulate: add_edge on an existing edge would overwrite its capacity.
         flow.add_edge(a, b, capacity=(old or {}).get("capacity", 0) + cap)
 
-    for g in region.groups:
-        flow.add_node(g)
-        traffic = traffic_units(graph, g)
-        if traffic:
-            add(g, _T, traffic)
-    for i, v in enumerate(region.values):
-        _add_value_terms(graph, v, i, node, add)
+    for g, t in enumerate(traffic):
+        if t:
+            add(g, _T, t)
+    for i, (w, p, cs) in enumerate(terms):
+        to_low, to_high = ("to_low", i), ("to_high", i)
+        add(node(p), to_low, w)
+        add(to_high, node(p), w)
+        for c in cs:
+            add(to_low, node(c), None)
+            add(node(c), to_high, None)
     _, (high_side, _) = nx.minimum_cut(flow, _S, _T)
-    return {g: Precision.HIGH if g in high_side else Precision.LOW for g in region.groups}
-
-
-def _add_value_terms(graph, value: Hashable, index: int, node, add) -> None:
-    producer = graph.producer(value)
-    consumers = graph.consumers(value)
-    if producer is None or not consumers:
-        return
-    w = CAST_WEIGHT * graph.cost_units(value)
-    p = node(producer)
-    to_low, to_high = ("__to_low__", index), ("__to_high__", index)
-    add(p, to_low, w)
-    add(to_high, p, w)
-    for c in consumers:
-        add(to_low, node(c), None)
-        add(node(c), to_high, None)
+    return tuple(Precision.HIGH if g in high_side else Precision.LOW for g in range(len(traffic)))
 
 
 def place(graph: PrecisionGraph, fixed: dict[Hashable, Precision]) -> dict[Hashable, Precision]:
     """Optimal precision of every group: ``fixed`` plus the min-cut answer for the rest."""
     labels = dict(fixed)
+    solved: dict[tuple, tuple[Precision, ...]] = {}
     for region in free_regions(graph, fixed):
-        labels.update(solve_region(graph, region, fixed))
+        key = canonical(graph, region, fixed)
+        if key not in solved:
+            solved[key] = solve_canonical(*key)
+        labels.update(zip(region.groups, solved[key]))
     return labels

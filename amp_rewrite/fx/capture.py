@@ -174,3 +174,18 @@ def propagate_fake(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> None:
             FakeTensorProp(gm, mode).run(*flat, enable_io_processing=False)
     except Exception as e:  # noqa: BLE001 - shape/dtype errors mean the inputs do not fit
         raise UsageError(f"example inputs do not fit the graph: {_first_line(e)}") from e
+
+
+def refresh_fake_values(gm: torch.fx.GraphModule) -> None:
+    """Recompute ``meta['val']`` after a rewrite, from the placeholders' own fake values.
+
+    Reusing the placeholders' fake mode keeps symbolic (``torch.export.Dim``) sizes symbolic.
+    """
+    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    mode = torch._guards.detect_fake_mode(vals) or FakeTensorMode(allow_non_fake_inputs=True)
+    previous, mode.allow_non_fake_inputs = mode.allow_non_fake_inputs, True  # real parameters
+    try:
+        with mode:
+            FakeTensorProp(gm, mode).run(*vals, enable_io_processing=False)
+    finally:
+        mode.allow_non_fake_inputs = previous

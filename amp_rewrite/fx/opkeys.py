@@ -92,8 +92,9 @@ def op_key(node: torch.fx.Node, gm: torch.fx.GraphModule) -> str:
 def function_key(node: torch.fx.Node) -> str:
     target = node.target
     if isinstance(target, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
-        namespace, _, name = target._qualified_op_name.partition("::") if isinstance(
-            target, torch._ops.OpOverloadPacket) else target._schema.name.partition("::")
+        qualified = (target._schema.name if isinstance(target, torch._ops.OpOverload)
+                     else target._qualified_op_name)
+        namespace, _, name = qualified.partition("::")
         name = strip_inplace(name)
         return name if namespace == "aten" else f"{namespace}::{name}"
     if isinstance(target, torch._ops.HigherOrderOperator):

@@ -1,6 +1,8 @@
 """Python entry points of the ONNX path (the CLI calls the same functions)."""
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import os
 import time
@@ -44,17 +46,32 @@ def rewrite_onnx_model(source: str | os.PathLike | onnx.ModelProto, *,
     """Load, rewrite and check a model; returns the onnx_ir model and the report."""
     start = time.perf_counter()
     low = LowDtype.parse(dtype)
-    model = io.load_model(source)
-    had_external = io.input_had_external_data(model)
-    pinned = _calibrate(source, model, low, calibration_data, calibration_threshold)
-    options = OnnxOptions(low, keep_io_types, tuple(map(str, rules)), tuple(keep_fp32), pinned)
-    pass_ = MixedPrecisionPass(options)
-    pass_(model)
-    report = pass_.report()
+    with gc_paused():
+        model = io.load_model(source)
+        had_external = io.input_had_external_data(model)
+        pinned = _calibrate(source, model, low, calibration_data, calibration_threshold)
+        options = OnnxOptions(low, keep_io_types, tuple(map(str, rules)), tuple(keep_fp32),
+                              pinned)
+        pass_ = MixedPrecisionPass(options)
+        pass_(model)
+        report = pass_.report()
     if check and report["modified"]:
         _check_output(model)
     report["seconds"] = round(time.perf_counter() - start, 3)
     return RewriteResult(model, report, pass_, had_external)
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """The IR of a large model is millions of objects without cycles to free; Python's cyclic
+    collector rescanning them during the pass cost more than the pass itself."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def rewrite_onnx(model: str | os.PathLike | onnx.ModelProto, **options) -> onnx.ModelProto:

@@ -45,11 +45,9 @@ class ApplyStats:
 class _Namer:
     """Unique value names across the whole model (casts must not shadow outer names)."""
 
-    def __init__(self, model: ir.Model) -> None:
-        from amp_rewrite.onnx.view import walk_graphs
-
+    def __init__(self, graphs: list[ir.Graph]) -> None:
         self.taken = set()
-        for g in walk_graphs(model.graph):
+        for g in graphs:
             self.taken.update(v.name for v in (*g.inputs, *g.initializers.values()) if v.name)
             self.taken.update(v.name for n in g for v in n.outputs if v.name)
 
@@ -64,7 +62,7 @@ class _Namer:
 def apply_plan(model: ir.Model, view: OnnxView, plan: PrecisionPlan) -> ApplyStats:
     stats = ApplyStats()
     low_ir = to_ir_dtype(view.low)
-    namer = _Namer(model)
+    namer = _Namer(view.graphs)
     _retype_groups(view, plan, low_ir, stats)
     _convert_sources(view, plan, low_ir, stats)
     for cast in plan.casts:
@@ -191,13 +189,14 @@ def _constant_copy(source, target: ir.DataType, namer: _Namer, stats) -> ir.Valu
 def _cast_node(value: ir.Value, target: ir.DataType, namer: _Namer, cast: CastPlan,
                source) -> ir.Value:
     suffix = "f32" if target == ir.DataType.FLOAT else ir.DataType(target).name.lower()
-    node = ir.node("Cast", [value], {"to": target}, name=namer(f"amp_cast_{value.name}_{suffix}"),
+    out_name = namer(f"{value.name}_{suffix}")
+    out = ir.Value(name=out_name, type=ir.TensorType(target),
+                   shape=value.shape.copy() if value.shape is not None else None)
+    node = ir.Node("", "Cast", [value], [ir.AttrInt64("to", target)], outputs=[out],
+                   name=f"amp_cast_{out_name}",
                    metadata_props={INSERTED_TAG: "cast", REASON_KEY:
                                    f"{len(cast.consumers)} consumer(s) need {cast.to.value} "
                                    "precision (exact min-cut placement)"})
-    out = node.outputs[0]
-    out.name, out.dtype = namer(f"{value.name}_{suffix}"), target
-    out.shape = value.shape.copy() if value.shape is not None else None
     producer = value.producer()
     if producer is not None:
         producer.graph.insert_after(producer, node)

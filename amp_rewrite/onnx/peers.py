@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import selectors
+import signal
 import subprocess
 import sys
 import tempfile
@@ -179,12 +180,8 @@ class Worker:
         if not line:
             code = self._proc.wait()
             self.close()
-            return {"ready": False, "ok": False, "error": f"worker exited ({code}): {self._log_tail()}"}
+            return {"ready": False, "ok": False, "error": f"worker died ({_exit_status(code)})"}
         return json.loads(line)
-
-    def _log_tail(self) -> str:
-        text = self._log_path.read_text(errors="replace").strip() if self._log_path.exists() else ""
-        return text.splitlines()[-1] if text else "no output"
 
     def convert_timed(
         self, model: onnx.ModelProto | Path, dtype: str, timeout: float | None = None
@@ -214,6 +211,15 @@ class Worker:
                 self._proc.kill()
             self._proc.wait()
             self._proc = None
+
+
+def _exit_status(code: int) -> str:
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
 
 
 _WORKERS: dict[tuple[str, str], Worker] = {}

@@ -44,6 +44,10 @@ class PortGroup:
     fixed_reason: str | None  # why the group cannot run low; None if it may
     retype_attribute: str | None = None  # attribute that sets the output dtype, if any
 
+    @property
+    def label(self) -> str:
+        return "" if self.tvars == ("*",) else ",".join(self.tvars)
+
 
 def is_candidate(value: ir.Value | None, low: ir.DataType) -> bool:
     """A plain tensor of float32 or of the target low dtype."""
@@ -64,8 +68,33 @@ def node_opset(node: ir.Node, opsets: dict[str, int]) -> int:
     return node.version or opsets.get(node.domain, opsets.get("", 1))
 
 
-def port_groups(node: ir.Node, opset: int, low: LowDtype) -> list[PortGroup]:
-    """Group the node's candidate ports; see module docstring."""
+def _port_signature(v: ir.Value | None) -> object:
+    if v is None:
+        return None
+    t = v.type
+    if t is None:
+        return "untyped" if v.name else None
+    return t.dtype if isinstance(t, ir.TensorType) else "other"
+
+
+_CACHE: dict[tuple, tuple[PortGroup, ...]] = {}
+
+
+def port_groups(node: ir.Node, opset: int, low: LowDtype) -> tuple[PortGroup, ...]:
+    """Group the node's candidate ports; see module docstring.
+
+    The answer depends only on the op, opset and the ports' types, so it is cached by that
+    signature: large models repeat a few dozen signatures thousands of times.
+    """
+    key = (node.domain, node.op_type, opset, low,
+           tuple(map(_port_signature, node.inputs)), tuple(map(_port_signature, node.outputs)))
+    cached = _CACHE.get(key)
+    if cached is None:
+        cached = _CACHE[key] = tuple(_port_groups(node, opset, low))
+    return cached
+
+
+def _port_groups(node: ir.Node, opset: int, low: LowDtype) -> list[PortGroup]:
     low_ir = to_ir_dtype(low)
     ins = [i for i, v in enumerate(node.inputs) if is_candidate(v, low_ir)]
     outs = [i for i, v in enumerate(node.outputs) if is_candidate(v, low_ir)]

@@ -8,7 +8,6 @@ once, in the outer graph, next to the producer.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -27,6 +26,7 @@ class OnnxView:
 
     graph: PrecisionGraph
     low: LowDtype
+    graphs: list[ir.Graph] = field(default_factory=list)  # main graph first, then subgraphs
     groups: dict[tuple, tuple[ir.Node, PortGroup]] = field(default_factory=dict)
     sources: dict[tuple, tuple[ir.Graph, ir.Value, ir.Node | None]] = field(default_factory=dict)
     sinks: dict[tuple, tuple[ir.Graph, int]] = field(default_factory=dict)
@@ -36,14 +36,18 @@ def value_nbytes(value: ir.Value) -> int | None:
     shape = value.shape
     if shape is None:
         return None
-    extent = math.prod(d if isinstance(d, int) else SYMBOLIC_DIM_EXTENT for d in shape.dims)
-    return 4 * max(extent, 1)
+    extent = 4
+    for d in shape.dims:
+        extent *= d if isinstance(d, int) else SYMBOLIC_DIM_EXTENT
+    return max(extent, 4)
 
 
 def walk_graphs(graph: ir.Graph) -> Iterator[ir.Graph]:
     """The graph and every subgraph, outer before inner."""
     yield graph
     for node in graph:
+        if not node.attributes:
+            continue
         for attr in node.attributes.values():
             if attr.type == ir.AttributeType.GRAPH:
                 yield from walk_graphs(attr.value)
@@ -53,10 +57,10 @@ def walk_graphs(graph: ir.Graph) -> Iterator[ir.Graph]:
 
 
 def build_view(model: ir.Model, low: LowDtype, *, keep_io_types: bool = True) -> OnnxView:
-    view = OnnxView(PrecisionGraph(), low)
+    graphs = list(walk_graphs(model.graph))
+    view = OnnxView(PrecisionGraph(), low, graphs)
     low_ir = to_ir_dtype(low)
     opsets = dict(model.opset_imports)
-    graphs = list(walk_graphs(model.graph))
     for g in graphs:
         _add_values(view, g, low_ir)
     for g in graphs:
@@ -72,7 +76,7 @@ def _add_values(view: OnnxView, g: ir.Graph, low_ir: ir.DataType) -> None:
     values = [*g.inputs, *g.initializers.values()]
     values += [v for node in g for v in node.outputs]
     for v in values:
-        if is_candidate(v, low_ir) and v not in view.graph.nx_graph:
+        if is_candidate(v, low_ir) and not view.graph.has_value(v):
             view.graph.add_value(v, name=v.name or "", nbytes=value_nbytes(v))
 
 
@@ -124,10 +128,8 @@ def _add_node(view: OnnxView, node: ir.Node, opset: int, low_ir: ir.DataType) ->
         fixed, reason = _group_fix(pg, values, low_ir, tagged)
         key = ("node", node, index)
         view.groups[key] = (node, pg)
-        info = GroupInfo(key, node, node.name or "", op_key, fixed=fixed, reason=reason,
-                         tvar=",".join(pg.tvars) if len(pg.tvars) > 1 or pg.tvars[0] != "*"
-                         else "")
-        view.graph.add_group(info, inputs=dict.fromkeys(node.inputs[i] for i in pg.inputs),
+        info = GroupInfo(key, node, node.name or "", op_key, fixed, reason, tvar=pg.label)
+        view.graph.add_group(info, inputs=[node.inputs[i] for i in pg.inputs],
                              outputs=[node.outputs[o] for o in pg.outputs])
 
 

@@ -133,14 +133,14 @@ def brute_force_cast_bytes(g: PrecisionGraph, fixed: dict) -> int:
     from the code under test."""
     free = [grp.key for grp in g.groups() if grp.key not in fixed]
     values = [(v.key, v.nbytes or 1) for v in g.values()]
+    nxg = g.to_networkx()  # an independent view of the same links
     best = None
     for bits in itertools.product((H, L), repeat=len(free)):
         label = {**fixed, **dict(zip(free, bits))}
         cost = 0
         for key, size in values:
-            prod = list(g.nx_graph.pred[key])
-            have = label[prod[0]]
-            wanted = {label[c] for c in g.nx_graph.succ[key]} - {have}
+            have = label[next(iter(nxg.pred[key]))]
+            wanted = {label[c] for c in nxg.succ[key]} - {have}
             cost += size * len(wanted)
         best = cost if best is None else min(best, cost)
     return best

@@ -25,12 +25,13 @@ def loss_of(model: nn.Module, step: int, micro: int) -> torch.Tensor:
     return nn.functional.mse_loss(model(x), y)
 
 
-def inject(model: nn.Module, step: int, micro: int, micro_batches: int) -> None:
-    """Overwrite one gradient element if (step, micro) is scheduled (-1 = last micro-batch)."""
+def inject(param: torch.Tensor, step: int, micro: int, micro_batches: int) -> None:
+    """Overwrite one element of ``param.grad`` if (step, micro) is scheduled (-1 = last
+    micro-batch)."""
     for (s, m), value in INJECT.items():
         if s == step and (m == micro or (m == -1 and micro == micro_batches - 1)):
             with torch.no_grad():
-                model[0].weight.grad[1, 2] = value
+                param.grad[1, 2] = value
 
 
 def injected_steps() -> list[int]:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(autouse=True, scope="module")
 def _one_thread() -> Iterator[None]:
     # These models are tiny: with 2 threads on a shared 2-core box, thread hand-offs cost more
     # than the math (measured 15x slower), so run single-threaded and restore afterwards.

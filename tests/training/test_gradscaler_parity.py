@@ -46,7 +46,7 @@ def run_gradscaler(opt_name: str, accum: int, clip: bool) -> Trace:
         for micro in range(accum):
             loss = loss_of(model, step, micro)
             scaler.scale(loss / accum if accum > 1 else loss).backward()
-            inject(model, step, micro, accum)
+            inject(model[0].weight, step, micro, accum)
         if clip:
             scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
@@ -70,7 +70,7 @@ def run_loss_scaler(opt_name: str, accum: int, clip: bool) -> Trace:
         for micro in range(accum):
             loss = loss_of(model, step, micro)
             scaler.scale(loss / accum if accum > 1 else loss).backward()
-            inject(model, step, micro, accum)
+            inject(model[0].weight, step, micro, accum)
         if clip:
             scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
@@ -93,7 +93,7 @@ def run_amp_optimizer(opt_name: str, accum: int, clip: bool) -> Trace:
     for step in range(STEPS):
         for micro in range(accum):
             amp.backward(loss_of(model, step, micro))
-            inject(model, step, micro, accum)
+            inject(model[0].weight, step, micro, accum)
         assert amp.at_boundary
         if clip:
             amp.clip_grad_norm_(MAX_NORM)

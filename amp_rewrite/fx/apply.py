@@ -1,0 +1,185 @@
+"""Apply a PrecisionPlan to a GraphModule (DESIGN §2, "Casts").
+
+One ``aten._to_copy(value, dtype=...)`` per (value, target dtype), right after the value's
+producer and shared by every consumer that needs it. Parameters are never converted in place:
+a ``get_attr`` of an FP32 parameter feeding low ops gets an in-graph cast, executed once per
+forward, so gradients flow back to the FP32 master weight. Casts carry a tag; only tagged casts
+are ever reused or removed, the model's own conversions are left alone. ``aten.
+_assert_tensor_metadata`` checks that export inserted are updated to the rewritten dtypes.
+"""
+from __future__ import annotations
+
+import operator
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import torch
+from torch.fx import Node
+
+from amp_rewrite.core import PrecisionPlan
+from amp_rewrite.errors import AmpRewriteError
+from amp_rewrite.fx.view import CAST_TAG, FxView, Port, is_cast, resolve
+
+_SHORT = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+_ASSERT_METADATA = torch.ops.aten._assert_tensor_metadata.default
+
+
+@dataclass(frozen=True)
+class ApplyResult:
+    """What apply changed; ``modified`` is False when the graph already matched the plan."""
+
+    casts_inserted: int
+    casts_removed: int
+    ports_rewired: int
+    asserts_updated: int
+
+    @property
+    def modified(self) -> bool:
+        return any((self.casts_inserted, self.casts_removed, self.ports_rewired,
+                    self.asserts_updated))
+
+
+def apply_plan(gm: torch.fx.GraphModule, view: FxView, plan: PrecisionPlan) -> ApplyResult:
+    """Mutate ``gm`` so every group reads its inputs in its planned precision."""
+    graph = gm.graph
+    existing = {(n.args[0], n.kwargs["dtype"]): n for n in graph.nodes if is_cast(n)}
+    targets, inserted = _cast_targets(graph, view, plan, existing)
+    rewired = sum(_rewire(port, targets.get((group, port.value), port.value))
+                  for group, ports in view.ports.items() for port in ports)
+    updated = _sync_metadata_asserts(graph, view, plan)
+    removed = _erase_unused_casts(graph)
+    graph.lint()
+    gm.recompile()
+    return ApplyResult(inserted, removed, rewired, updated)
+
+
+def _cast_targets(graph: torch.fx.Graph, view: FxView, plan: PrecisionPlan,
+                  existing: dict[tuple[Node, torch.dtype], Node]
+                  ) -> tuple[dict[tuple[Hashable, Node], Node], int]:
+    """(consumer group, value) → the cast node it must read; creates the missing casts."""
+    targets: dict[tuple[Hashable, Node], Node] = {}
+    inserted = 0
+    for cast in plan.casts:
+        dtype = view.dtype(cast.to)
+        node = existing.get((cast.value, dtype))
+        if node is None:
+            node = insert_cast(graph, cast.value, dtype)
+            existing[(cast.value, dtype)] = node
+            inserted += 1
+        for group in cast.consumers:
+            targets[(group, cast.value)] = node
+    return targets, inserted
+
+
+def insert_cast(graph: torch.fx.Graph, value: Node, dtype: torch.dtype) -> Node:
+    """A tagged ``_to_copy(value, dtype=dtype)`` right after the value's producer."""
+    anchor = value
+    if value.op == "placeholder":  # keep placeholders together at the top
+        anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    with graph.inserting_after(anchor):
+        node = graph.create_node("call_function", torch.ops.aten._to_copy.default, (value,),
+                                 {"dtype": dtype}, name=f"{value.name}_{_SHORT[dtype]}")
+    node.meta[CAST_TAG] = True
+    for key in ("nn_module_stack", "stack_trace"):
+        if key in value.meta:
+            node.meta[key] = value.meta[key]
+    return node
+
+
+def _rewire(port: Port, target: Node) -> int:
+    current = get_arg(port.node, port.path)
+    if current is target:
+        return 0
+    set_arg(port.node, port.path, target)
+    return 1
+
+
+def get_arg(node: Node, path: tuple) -> object:
+    arg = node.args[path[1]] if path[0] == "args" else node.kwargs[path[1]]
+    for index in path[2:]:
+        arg = arg[index]
+    return arg
+
+
+def set_arg(node: Node, path: tuple, new: Node) -> None:
+    kind, key, rest = path[0], path[1], path[2:]
+    old = node.args[key] if kind == "args" else node.kwargs[key]
+    value = _replace_at(old, rest, new)
+    if kind == "args":
+        node.update_arg(key, value)
+    else:
+        node.update_kwarg(key, value)
+
+
+def _replace_at(container: object, rest: tuple, new: Node) -> object:
+    if not rest:
+        return new
+    items = list(container)
+    items[rest[0]] = _replace_at(items[rest[0]], rest[1:], new)
+    return tuple(items) if isinstance(container, tuple) else items
+
+
+def _sync_metadata_asserts(graph: torch.fx.Graph, view: FxView, plan: PrecisionPlan) -> int:
+    """Export's ``_assert_tensor_metadata(x, dtype=...)`` must name x's rewritten dtype."""
+    updated = 0
+    for node in graph.nodes:
+        if node.target is not _ASSERT_METADATA or not isinstance(node.args[0], Node):
+            continue
+        producer = view.values.get(resolve(node.args[0]))
+        if producer is None or "dtype" not in node.kwargs:
+            continue
+        dtype = view.dtype(plan.precision(producer))
+        if node.kwargs["dtype"] != dtype:
+            node.update_kwarg("dtype", dtype)
+            updated += 1
+    return updated
+
+
+def _erase_unused_casts(graph: torch.fx.Graph) -> int:
+    unused = [n for n in graph.nodes if is_cast(n) and not n.users]
+    for node in unused:
+        graph.erase_node(node)
+    return len(unused)
+
+
+def retype_values(gm: torch.fx.GraphModule, view: FxView, plan: PrecisionPlan) -> None:
+    """Update ``meta['val']`` dtypes to the plan without re-running fake propagation.
+
+    A full FakeTensorProp of BERT-base costs ~5 s; retyping only what changed costs a few
+    milliseconds. Tests check it against a full propagation on real models.
+    """
+    for node in gm.graph.nodes:
+        if is_cast(node):
+            _set_val(node, node.args[0].meta.get("val"), node.kwargs["dtype"])
+        elif node in view.values:
+            _set_val(node, node.meta.get("val"), view.dtype(plan.precision(view.values[node])))
+            parent = node.args[0] if node.target is operator.getitem else None
+            if parent is not None and isinstance(parent.meta.get("val"), list | tuple):
+                vals = list(parent.meta["val"])
+                vals[node.args[1]] = node.meta["val"]
+                parent.meta["val"] = type(parent.meta["val"])(vals)
+
+
+def _set_val(node: Node, val: object, dtype: torch.dtype) -> None:
+    if not isinstance(val, torch.Tensor) or val.dtype == dtype:
+        if isinstance(val, torch.Tensor):
+            node.meta["val"] = val
+        return
+    mode = getattr(val, "fake_mode", None)
+    if mode is None:
+        node.meta["val"] = val.to(dtype)
+        return
+    with mode:
+        node.meta["val"] = val.to(dtype)
+
+
+def check_applied(view: FxView, plan: PrecisionPlan) -> None:
+    """Postcondition on refreshed ``meta['val']``: every port reads its group's dtype."""
+    for group, ports in view.ports.items():
+        want = view.dtype(plan.precision(group))
+        for port in ports:
+            val = get_arg(port.node, port.path).meta.get("val")
+            if isinstance(val, torch.Tensor) and val.dtype != want:
+                raise AmpRewriteError(
+                    f"internal error: {port.node.name} reads {port.value.name} as {val.dtype} "
+                    f"but the plan runs it in {want}")

@@ -1,0 +1,171 @@
+"""The fx passes, on ``torch.fx.passes.infra.pass_base.PassBase`` (DESIGN §6).
+
+* ``InlineModules``: ``call_module`` of a parameterised leaf module (``nn.Linear``, convs,
+  norms, ``nn.Embedding``) → its functional form on ``get_attr`` parameters, so parameters can
+  be cast in-graph. The module tree, and so ``state_dict()``, is unchanged.
+* ``FunctionalizeInPlace``: an in-place op on an intermediate tensor that nothing reads
+  afterwards (ResNet's ``x += shortcut``) → its out-of-place form, so it can be cast freely.
+  In-place ops on inputs, parameters and buffers, or on tensors read later, stay.
+* ``MixedPrecisionPass``: view → core plan → apply → refreshed ``meta['val']``; the plan and
+  the applied result are kept on the pass for reports.
+
+Each pass returns ``PassResult(gm, modified)`` with ``modified`` computed from what it changed;
+a second run of the chain on its own output changes nothing.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+from torch.fx import Node
+from torch.fx.passes.infra.pass_base import PassBase, PassResult
+
+from amp_rewrite.core import OpClass, PrecisionPlan, RuleSet, plan_precision
+from amp_rewrite.fx import opkeys
+from amp_rewrite.fx.apply import ApplyResult, apply_plan, check_applied, retype_values
+from amp_rewrite.fx.view import FxView, alias_set, build_view, resolve
+
+# module type -> (function, arguments after the input: attribute names, "@param" for params)
+_INLINE: dict[type, tuple[Callable, tuple[str, ...]]] = {
+    nn.Linear: (F.linear, ("@weight", "@bias")),
+    nn.Conv1d: (F.conv1d, ("@weight", "@bias", "stride", "padding", "dilation", "groups")),
+    nn.Conv2d: (F.conv2d, ("@weight", "@bias", "stride", "padding", "dilation", "groups")),
+    nn.Conv3d: (F.conv3d, ("@weight", "@bias", "stride", "padding", "dilation", "groups")),
+    nn.LayerNorm: (F.layer_norm, ("normalized_shape", "@weight", "@bias", "eps")),
+    nn.GroupNorm: (F.group_norm, ("num_groups", "@weight", "@bias", "eps")),
+    nn.RMSNorm: (F.rms_norm, ("normalized_shape", "@weight", "eps")),
+    nn.PReLU: (F.prelu, ("@weight",)),
+    nn.Embedding: (F.embedding, ("@weight", "padding_idx")),
+}
+
+
+def _can_inline(module: nn.Module) -> bool:
+    """Legality: the functional form must compute exactly what the module's forward does."""
+    if type(module) not in _INLINE:
+        return False
+    if isinstance(module, nn.modules.conv._ConvNd) and module.padding_mode != "zeros":
+        return False
+    if isinstance(module, nn.Embedding) and (module.max_norm is not None or module.sparse
+                                             or module.scale_grad_by_freq):
+        return False
+    return True
+
+
+class InlineModules(PassBase):
+    """Parameterised leaf ``call_module`` nodes → functional calls on ``get_attr`` parameters."""
+
+    def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
+        graph = graph_module.graph
+        nodes = [n for n in graph.nodes if n.op == "call_module"
+                 and _can_inline(graph_module.get_submodule(n.target))]
+        for node in nodes:
+            self._inline(graph_module, node)
+        if nodes:
+            graph.lint()
+            graph_module.recompile()
+        return PassResult(graph_module, bool(nodes))
+
+    @staticmethod
+    def _inline(gm: torch.fx.GraphModule, node: Node) -> None:
+        module = gm.get_submodule(node.target)
+        function, fields = _INLINE[type(module)]
+        with gm.graph.inserting_before(node):
+            extra = [_field(gm, node, module, f) for f in fields]
+            call = gm.graph.call_function(function, (*node.args, *extra), dict(node.kwargs))
+        call.meta = dict(node.meta)
+        node.replace_all_uses_with(call)
+        gm.graph.erase_node(node)
+
+
+def _field(gm: torch.fx.GraphModule, node: Node, module: nn.Module, field: str) -> object:
+    if not field.startswith("@"):
+        return getattr(module, field)
+    name = field[1:]
+    if getattr(module, name, None) is None:
+        return None
+    return gm.graph.get_attr(f"{node.target}.{name}")
+
+
+class FunctionalizeInPlace(PassBase):
+    """In-place ops on intermediate tensors nobody reads afterwards → out-of-place ops."""
+
+    def __init__(self, rules: RuleSet) -> None:
+        self.clear_ops = frozenset(rules.ops(OpClass.CLEAR))
+
+    def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
+        order = {n: i for i, n in enumerate(graph_module.graph.nodes)}
+        changed = 0
+        for node in list(graph_module.graph.nodes):
+            if node.op in ("call_function", "call_method") and self._safe(graph_module, node,
+                                                                           order):
+                changed += _make_functional(node)
+        if changed:
+            graph_module.graph.lint()
+            graph_module.recompile()
+        return PassResult(graph_module, bool(changed))
+
+    def _safe(self, gm: torch.fx.GraphModule, node: Node, order: dict[Node, int]) -> bool:
+        """Legality: the written tensor is an intermediate and no one reads it after ``node``."""
+        target = opkeys.mutated_argument(node, gm)
+        if target is None or not _replaceable(node):
+            return False
+        aliases = alias_set(resolve(target), gm, self.clear_ops)
+        if any(a.op in ("placeholder", "get_attr") for a in aliases):
+            return False
+        return all(user is node or user in aliases or order[user] < order[node]
+                   for a in aliases for user in a.users)
+
+
+def _replaceable(node: Node) -> bool:
+    if node.kwargs.get("inplace") is True:
+        return True
+    variant = opkeys.functional_variant(node)
+    if node.op == "call_method":
+        return hasattr(torch.Tensor, variant)
+    return variant is not None
+
+
+def _make_functional(node: Node) -> int:
+    if node.kwargs.get("inplace") is True:
+        node.update_kwarg("inplace", False)
+    else:
+        node.target = opkeys.functional_variant(node)
+    return 1
+
+
+@dataclass(frozen=True)
+class MixedPrecisionOptions:
+    """What the pass needs besides the graph; legality stays in the view, policy here."""
+
+    rules: RuleSet
+    low: torch.dtype
+    max_finite: float
+    keep_fp32: Sequence[str] = ()
+    keep_io_types: bool = True
+
+
+class MixedPrecisionPass(PassBase):
+    """View → plan (core) → apply → refreshed ``meta['val']``; see DESIGN §1."""
+
+    def __init__(self, options: MixedPrecisionOptions) -> None:
+        self.options = options
+        self.view: FxView | None = None
+        self.plan: PrecisionPlan | None = None
+        self.applied: ApplyResult | None = None
+
+    def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
+        opts = self.options
+        self.view = build_view(graph_module, opts.rules, opts.low, max_finite=opts.max_finite,
+                               keep_io_types=opts.keep_io_types,
+                               keep_fp32_modules=list(opts.keep_fp32))
+        self.plan = plan_precision(self.view.graph, opts.rules, keep_fp32=opts.keep_fp32)
+        self.applied = apply_plan(graph_module, self.view, self.plan)
+        retype_values(graph_module, self.view, self.plan)
+        return PassResult(graph_module, self.applied.modified)
+
+    def ensures(self, graph_module: torch.fx.GraphModule) -> None:
+        if self.view is not None and self.plan is not None:
+            check_applied(self.view, self.plan)

@@ -1,0 +1,360 @@
+"""Present a GraphModule to the core as a PrecisionGraph (DESIGN §1, "View").
+
+Values are the fx nodes that hold one float32 or low-dtype tensor (a tuple-producing node's
+tensors are its ``getitem`` users). Every call node with floating ports becomes one or more
+*groups* (the unit of painting): normally one group holding all its floating tensor arguments
+and outputs, because an ATen op computes in the dtype of its floating arguments. Exceptions:
+
+* conversions and factories with a ``dtype`` argument: the input is a free clear group (it
+  reads either precision), the output is fixed to the dtype the model asked for;
+* ``type_as``: the output follows the second tensor, so they share a group;
+* batch norm: the data runs in either precision, the affine parameters and running statistics
+  stay fp32 (cuDNN and the CPU kernels take them in fp32 for low inputs);
+* modules with their own parameters that were not inlined, float scalars outside the low
+  range, tensors written in place: fixed at their original precision.
+
+Integer, boolean and float64 tensors are not values at all: they are never cast. Casts this
+package inserted earlier (tagged in ``node.meta``) are transparent, so a second run sees the
+original graph and changes nothing.
+"""
+from __future__ import annotations
+
+import fnmatch
+import math
+import operator
+from collections.abc import Hashable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch.fx import Node
+
+from amp_rewrite.core import GroupInfo, OpClass, Precision, PrecisionGraph, RuleSet
+from amp_rewrite.fx import opkeys
+
+CAST_TAG = "amp_rewrite_cast"  # node.meta key on the casts this package inserts
+ArgPath = tuple  # ("args", i[, j]) or ("kwargs", name[, j])
+_BATCH_NORMS = frozenset({"batch_norm", "native_batch_norm", "_native_batch_norm_legit",
+                          "_native_batch_norm_legit_no_training",
+                          "_native_batch_norm_legit_functional"})
+
+
+@dataclass(frozen=True)
+class Port:
+    """One floating tensor argument of a node: where it sits and which value it reads."""
+
+    node: Node
+    path: ArgPath
+    value: Node
+
+
+@dataclass
+class _GroupSpec:
+    """A group under construction (GroupInfo is frozen; fixes arrive in several steps)."""
+
+    node: Node
+    tvar: str
+    op_key: str
+    ports: list[Port] = field(default_factory=list)
+    outputs: list[Node] = field(default_factory=list)
+    fixed: Precision | None = None
+    reason: str = ""
+    op_class: OpClass | None = None
+
+    @property
+    def key(self) -> Hashable:
+        return ("g", self.node, self.tvar)
+
+    def fix(self, precision: Precision, reason: str) -> None:
+        if self.fixed is None:
+            self.fixed, self.reason = precision, reason
+
+
+@dataclass
+class FxView:
+    """The PrecisionGraph plus what apply needs to map decisions back onto the fx graph."""
+
+    graph: PrecisionGraph
+    low: torch.dtype
+    ports: dict[Hashable, list[Port]]  # group key -> its floating input ports
+    values: dict[Node, Hashable]  # value node -> its producer (group or source key)
+    notes: list[str] = field(default_factory=list)
+
+    def dtype(self, precision: Precision) -> torch.dtype:
+        return self.low if precision is Precision.LOW else torch.float32
+
+
+# ------------------------------------------------------------------------- small helpers
+
+
+def is_cast(node: Node) -> bool:
+    return bool(node.meta.get(CAST_TAG))
+
+
+def resolve(arg: Node) -> Node:
+    """The value an argument reads, seeing through casts this package inserted."""
+    while is_cast(arg):
+        arg = arg.args[0]
+    return arg
+
+
+def tensor_args(node: Node) -> Iterator[tuple[ArgPath, Node]]:
+    """Every Node argument of ``node`` with its path (lists and tuples are walked)."""
+    def walk(arg: object, path: ArgPath) -> Iterator[tuple[ArgPath, Node]]:
+        if isinstance(arg, Node):
+            yield path, arg
+        elif isinstance(arg, list | tuple):
+            for j, item in enumerate(arg):
+                yield from walk(item, (*path, j))
+
+    for i, arg in enumerate(node.args):
+        yield from walk(arg, ("args", i))
+    for name, arg in node.kwargs.items():
+        yield from walk(arg, ("kwargs", name))
+
+
+def _has_tensor(val: object) -> bool:
+    if isinstance(val, list | tuple):
+        return any(_has_tensor(v) for v in val)
+    return isinstance(val, torch.Tensor)
+
+
+def float_scalars(node: Node) -> Iterator[float]:
+    def walk(arg: object) -> Iterator[float]:
+        if isinstance(arg, float):
+            yield arg
+        elif isinstance(arg, list | tuple):
+            for item in arg:
+                yield from walk(item)
+
+    for arg in (*node.args, *node.kwargs.values()):
+        yield from walk(arg)
+
+
+def static_numel(val: torch.Tensor) -> int | None:
+    """Element count, using the example size for symbolic (dynamic) dimensions."""
+    total = 1
+    for size in val.shape:
+        if isinstance(size, torch.SymInt):
+            hint = size.node.hint
+            if hint is None:
+                return None
+            size = hint
+        total *= int(size)
+    return total
+
+
+class _Builder:
+    """Builds an FxView; one instance per view, steps as methods."""
+
+    def __init__(self, gm: torch.fx.GraphModule, rules: RuleSet, low: torch.dtype,
+                 max_finite: float, keep_io_types: bool, keep_fp32_modules: list[str]) -> None:
+        self.gm, self.rules, self.low = gm, rules, low
+        self.max_finite = max_finite
+        self.keep_io_types = keep_io_types
+        self.module_patterns = keep_fp32_modules
+        self.precisions = {torch.float32: Precision.HIGH, low: Precision.LOW}
+        self.values: dict[Node, Hashable] = {}
+        self.specs: list[_GroupSpec] = []
+        self.params = {id(p) for p in gm.parameters()}
+        self.notes: list[str] = []
+
+    # -- values ----------------------------------------------------------------------
+    def precision_of(self, node: Node) -> Precision | None:
+        """Precision of a value node's tensor, None if it is not a float32/low tensor."""
+        if is_cast(node) or node.op == "output":
+            return None
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            return None
+        return self.precisions.get(val.dtype)
+
+    def outputs_of(self, node: Node) -> list[Node]:
+        if self.precision_of(node) is not None:
+            return [node]
+        return [u for u in node.users
+                if u.op == "call_function" and u.target is operator.getitem and self.is_value(u)]
+
+    def is_value(self, node: Node) -> bool:
+        return self.precision_of(node) is not None
+
+    # -- groups ----------------------------------------------------------------------
+    def node_groups(self, node: Node) -> list[_GroupSpec]:
+        """The groups of one call node (see the module docstring)."""
+        key = opkeys.op_key(node, self.gm)
+        ports = [Port(node, path, resolve(arg)) for path, arg in tensor_args(node)
+                 if self.is_value(resolve(arg))]
+        outputs = self.outputs_of(node)
+        if not ports and not outputs:
+            return []
+        if not outputs and not _has_tensor(node.meta.get("val")):
+            return []  # reads only metadata (sizes, export's guards) or returns a scalar
+        dtype = opkeys.explicit_dtype(node)
+        if dtype is not None:
+            return self._conversion(node, key, ports, outputs, dtype)
+        if opkeys.follows_other_dtype(node):
+            return [_GroupSpec(node, "in", key, ports[:1], op_class=OpClass.CLEAR),
+                    _GroupSpec(node, "out", key, ports[1:], outputs)]
+        if key in _BATCH_NORMS and len(ports) > 1:
+            return self._batch_norm(node, key, ports, outputs)
+        spec = _GroupSpec(node, "T", key, ports, outputs)
+        self._fix_special(spec)
+        return [spec]
+
+    def _conversion(self, node: Node, key: str, ports: list[Port], outputs: list[Node],
+                    dtype: torch.dtype) -> list[_GroupSpec]:
+        specs = []
+        if ports:
+            specs.append(_GroupSpec(node, "in", key, ports, op_class=OpClass.CLEAR))
+        if outputs:
+            out = _GroupSpec(node, "out", key, outputs=outputs, op_class=OpClass.CLEAR)
+            out.fix(self.precisions[dtype], f"{key}: the model's own dtype argument {dtype} is kept")
+            specs.append(out)
+        return specs
+
+    def _batch_norm(self, node: Node, key: str, ports: list[Port],
+                    outputs: list[Node]) -> list[_GroupSpec]:
+        data = _GroupSpec(node, "T", key, ports[:1], outputs)
+        params = _GroupSpec(node, "params", key, ports[1:], op_class=OpClass.CLEAR)
+        params.fix(Precision.HIGH, "batch norm takes fp32 affine parameters and running "
+                                   "statistics with data in either precision")
+        self._fix_special(data)
+        return [data, params]
+
+    def _fix_special(self, spec: _GroupSpec) -> None:
+        node = spec.node
+        if node.op == "call_module":
+            self._fix_module(spec)
+        for x in float_scalars(node):
+            if math.isfinite(x) and abs(x) > self.max_finite:
+                spec.fix(Precision.HIGH, f"scalar argument {x:g} is outside the {self.low} range")
+        stack = node.meta.get("nn_module_stack") or {}
+        path = next(reversed(stack.values()))[0] if stack else ""
+        for pattern in self.module_patterns:
+            if path and fnmatch.fnmatchcase(path, pattern):
+                spec.fix(Precision.HIGH, f"pinned to fp32 by keep_fp32 pattern {pattern!r} "
+                                         f"(module {path})")
+        tuple_used_whole = (self.precision_of(node) is None and isinstance(
+            node.meta.get("val"), list | tuple) and any(u.target is not operator.getitem
+                                                         for u in node.users))
+        if tuple_used_whole:
+            spec.fix(Precision.HIGH, "its tuple output is used whole, so it cannot be cast")
+
+    def _fix_module(self, spec: _GroupSpec) -> None:
+        module = self.gm.get_submodule(spec.node.target)
+        params = [p for p in module.parameters() if p.is_floating_point()]
+        if params:
+            precision = self.precisions.get(params[0].dtype, Precision.HIGH)
+            spec.fix(precision, f"module {type(module).__name__} runs with its own "
+                                f"{params[0].dtype} parameters (not inlined)")
+
+    # -- mutation ----------------------------------------------------------------------
+    def fix_mutations(self) -> None:
+        """Groups touching a tensor written in place keep its precision: a cast would copy it."""
+        clear = frozenset(self.rules.ops(OpClass.CLEAR))
+        by_value: dict[Node, list[_GroupSpec]] = {}
+        for spec in self.specs:
+            for v in [p.value for p in spec.ports] + spec.outputs:
+                by_value.setdefault(v, []).append(spec)
+        for node in self.gm.graph.nodes:
+            if node.op not in ("call_function", "call_method", "call_module"):
+                continue
+            target = opkeys.mutated_argument(node, self.gm)
+            if target is None or not self.is_value(resolve(target)):
+                continue
+            aliases = alias_set(resolve(target), self.gm, clear)
+            precision = self.precision_of(resolve(target))
+            for v in aliases:
+                for spec in by_value.get(v, ()):
+                    spec.fix(precision, f"reads or writes a tensor that {node.name} mutates in place")
+
+    # -- assembly ------------------------------------------------------------------------
+    def build(self) -> FxView:
+        graph = PrecisionGraph()
+        nodes = list(self.gm.graph.nodes)
+        for node in nodes:
+            if self.is_value(node):
+                val = node.meta["val"]
+                numel = static_numel(val)
+                graph.add_value(node, name=node.name, nbytes=None if numel is None else 4 * numel)
+        for node in nodes:
+            if node.op in ("placeholder", "get_attr") and self.is_value(node):
+                self._add_source(graph, node)
+            elif node.op in ("call_function", "call_method", "call_module") and not is_cast(node):
+                if not (node.target is operator.getitem and self._is_tuple_getitem(node)):
+                    self.specs.extend(self.node_groups(node))
+        self.fix_mutations()
+        ports = {}
+        for spec in self.specs:
+            info = GroupInfo(spec.key, spec.node, spec.node.name, spec.op_key, fixed=spec.fixed,
+                             reason=spec.reason, op_class=spec.op_class, tvar=spec.tvar)
+            graph.add_group(info, inputs=_unique(p.value for p in spec.ports),
+                            outputs=spec.outputs)
+            ports[spec.key] = spec.ports
+            for v in spec.outputs:
+                self.values[v] = spec.key
+        self._add_sinks(graph, ports)
+        return FxView(graph, self.low, ports, self.values, self.notes)
+
+    def _is_tuple_getitem(self, node: Node) -> bool:
+        source = node.args[0]
+        return isinstance(source, Node) and not isinstance(source.meta.get("val"), torch.Tensor)
+
+    def _add_source(self, graph: PrecisionGraph, node: Node) -> None:
+        precision = self.precision_of(node)
+        if node.op == "placeholder":
+            reason = "graph input: its dtype is the caller's"
+        elif id(self._attr(node)) in self.params:
+            reason = "parameter: the FP32 master weight stays; it is cast in-graph per forward"
+        else:
+            reason = "buffer or constant: stored as is"
+        key = ("src", node)
+        graph.add_source(key, node, name=node.name, fixed=precision, reason=reason)
+        self.values[node] = key
+
+    def _attr(self, node: Node) -> object:
+        obj = self.gm
+        for part in node.target.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+    def _add_sinks(self, graph: PrecisionGraph, ports: dict[Hashable, list[Port]]) -> None:
+        output = next(n for n in reversed(self.gm.graph.nodes) if n.op == "output")
+        for i, (path, arg) in enumerate(tensor_args(output)):
+            value = resolve(arg)
+            precision = self.precision_of(value)
+            if precision is None:
+                continue
+            fixed = precision if self.keep_io_types else None
+            graph.add_sink(("sink", i), value, name=f"output_{i}", fixed=fixed,
+                           reason="graph output: keep_io_types keeps its dtype")
+            ports[("sink", i)] = [Port(output, path, value)]
+
+
+def _unique(values: Iterator[Node]) -> list[Node]:
+    return list(dict.fromkeys(values))
+
+
+def alias_set(value: Node, gm: torch.fx.GraphModule, clear_ops: frozenset[str]) -> set[Node]:
+    """Every node whose tensor may share memory with ``value``: its base and all views."""
+    base = value
+    while base.op not in ("placeholder", "get_attr") and opkeys.is_view(base, clear_ops, gm):
+        parent = next((a for _, a in tensor_args(base)), None)
+        if parent is None:
+            break
+        base = resolve(parent)
+    found, stack = {base}, [base]
+    while stack:
+        node = stack.pop()
+        for user in node.users:
+            if user not in found and not is_cast(user) and opkeys.is_view(user, clear_ops, gm) \
+                    and next((resolve(a) for _, a in tensor_args(user)), None) is node:
+                found.add(user)
+                stack.append(user)
+    return found
+
+
+def build_view(gm: torch.fx.GraphModule, rules: RuleSet, low: torch.dtype, *,
+               max_finite: float, keep_io_types: bool = True,
+               keep_fp32_modules: list[str] | None = None) -> FxView:
+    """The PrecisionGraph of ``gm`` for target dtype ``low`` (float16 or bfloat16)."""
+    return _Builder(gm, rules, low, max_finite, keep_io_types, keep_fp32_modules or []).build()
