@@ -111,8 +111,9 @@ class Task:
 
     def __init__(self, config: Config) -> None:
         gen = torch.Generator().manual_seed(config.seed + 1)
-        self.teacher_w1 = torch.randn(config.d_in, config.hidden, generator=gen) / config.d_in**0.5
-        self.teacher_w2 = torch.randn(config.hidden, config.d_out, generator=gen) / config.hidden**0.5
+        d_in, hidden, d_out = config.d_in, config.hidden, config.d_out
+        self.teacher_w1 = torch.randn(d_in, hidden, generator=gen) / d_in**0.5
+        self.teacher_w2 = torch.randn(hidden, d_out, generator=gen) / hidden**0.5
         self.config = config
         self.eval_x, self.eval_y = self.sample(config.eval_size, config.seed + 2)
 

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Node
 
-from amp_rewrite.core import PrecisionPlan
+from amp_rewrite.core import Precision, PrecisionPlan
 from amp_rewrite.errors import AmpRewriteError
+from amp_rewrite.fx import opkeys
 from amp_rewrite.fx.view import CAST_TAG, FxView, Port, is_cast, resolve
 
 _SHORT = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -32,43 +33,83 @@ class ApplyResult:
     casts_removed: int
     ports_rewired: int
     asserts_updated: int
+    conversions_retyped: int
+    upcasts_by_promotion: int  # planned upcasts left to the consumer's type promotion
 
     @property
     def modified(self) -> bool:
         return any((self.casts_inserted, self.casts_removed, self.ports_rewired,
-                    self.asserts_updated))
+                    self.asserts_updated, self.conversions_retyped))
 
 
 def apply_plan(gm: torch.fx.GraphModule, view: FxView, plan: PrecisionPlan) -> ApplyResult:
     """Mutate ``gm`` so every group reads its inputs in its planned precision."""
     graph = gm.graph
     existing = {(n.args[0], n.kwargs["dtype"]): n for n in graph.nodes if is_cast(n)}
-    targets, inserted = _cast_targets(graph, view, plan, existing)
+    promoted = promoted_reads(view, plan)
+    targets, inserted = _cast_targets(graph, view, plan, existing, promoted)
     rewired = sum(_rewire(port, targets.get((group, port.value), port.value))
                   for group, ports in view.ports.items() for port in ports)
+    retyped = _retype_conversions(view, plan)
     updated = _sync_metadata_asserts(graph, view, plan)
     removed = _erase_unused_casts(graph)
     graph.lint()
     gm.recompile()
-    return ApplyResult(inserted, removed, rewired, updated)
+    return ApplyResult(inserted, removed, rewired, updated, retyped, len(promoted))
+
+
+def promoted_reads(view: FxView, plan: PrecisionPlan) -> set[tuple[Hashable, Node]]:
+    """(group, value) reads of a low value by a high promoting op that needs no upcast.
+
+    ``add(x_fp16, y_fp32)`` computes in fp32 exactly as ``add(x.float(), y)`` does, provided
+    some fp32 input has at least one dimension (a 0-dim tensor does not promote a dimensioned
+    one). The upcast then happens inside the kernel, with no conversion kernel or copy.
+    """
+    covered: set[tuple[Hashable, Node]] = set()
+    for group, ports in view.ports.items():
+        info = view.graph.group(group)
+        if plan.precision(group) is not Precision.HIGH or info.op_key not in opkeys.PROMOTING:
+            continue
+        produced = {p.value: plan.precision(view.values[p.value]) for p in ports}
+        if any(prec is Precision.HIGH and p.value.meta["val"].dim() > 0
+               for p in ports if (prec := produced[p.value]) is Precision.HIGH):
+            covered |= {(group, v) for v, prec in produced.items() if prec is Precision.LOW}
+    return covered
 
 
 def _cast_targets(graph: torch.fx.Graph, view: FxView, plan: PrecisionPlan,
-                  existing: dict[tuple[Node, torch.dtype], Node]
+                  existing: dict[tuple[Node, torch.dtype], Node],
+                  promoted: set[tuple[Hashable, Node]]
                   ) -> tuple[dict[tuple[Hashable, Node], Node], int]:
     """(consumer group, value) → the cast node it must read; creates the missing casts."""
     targets: dict[tuple[Hashable, Node], Node] = {}
     inserted = 0
     for cast in plan.casts:
+        consumers = [g for g in cast.consumers if (g, cast.value) not in promoted]
+        if not consumers:
+            continue
         dtype = view.dtype(cast.to)
         node = existing.get((cast.value, dtype))
         if node is None:
             node = insert_cast(graph, cast.value, dtype)
             existing[(cast.value, dtype)] = node
             inserted += 1
-        for group in cast.consumers:
+        for group in consumers:
             targets[(group, cast.value)] = node
     return targets, inserted
+
+
+def _retype_conversions(view: FxView, plan: PrecisionPlan) -> int:
+    """A free conversion/factory output planned low gets the low dtype as its argument."""
+    retyped = 0
+    for info in view.graph.groups():
+        if info.tvar != "out" or info.op_key not in opkeys.RETYPABLE:
+            continue
+        want = view.dtype(plan.precision(info.key))
+        if opkeys.explicit_dtype(info.node) not in (None, want):
+            opkeys.set_explicit_dtype(info.node, want)
+            retyped += 1
+    return retyped
 
 
 def insert_cast(graph: torch.fx.Graph, value: Node, dtype: torch.dtype) -> Node:

@@ -161,11 +161,43 @@ def explicit_dtype(node: torch.fx.Node) -> torch.dtype | None:
     return dtype if isinstance(dtype, torch.dtype) else None
 
 
+def set_explicit_dtype(node: torch.fx.Node, dtype: torch.dtype) -> None:
+    """Retype a conversion or factory: make its own dtype argument say ``dtype``."""
+    if node.op == "call_method" and node.target in _CONVERSION_METHODS:
+        node.target, node.args = "to", (node.args[0], dtype)
+        return
+    if "dtype" in node.kwargs:
+        node.update_kwarg("dtype", dtype)
+        return
+    for i, arg in enumerate(node.args):
+        if isinstance(arg, torch.dtype):
+            node.update_arg(i, dtype)
+            return
+    raise ValueError(f"{node.name} has no dtype argument to retype")
+
+
 def _schema_index(op: torch._ops.OpOverload, name: str) -> int | None:
     for i, arg in enumerate(op._schema.arguments):
         if arg.name == name and not arg.kwarg_only:
             return i
     return None
+
+
+# Conversions and factories: their dtype argument only says how the result is stored, so the
+# pass may retype one to the low dtype when every reader runs low (DESIGN §2, "Casts").
+RETYPABLE = frozenset({
+    "to", "_to_copy", "zeros", "ones", "full", "empty", "arange", "linspace", "scalar_tensor",
+    "rand", "randn", "zeros_like", "ones_like", "full_like", "empty_like", "rand_like",
+    "randn_like", "new_zeros", "new_ones", "new_full", "new_empty",
+})
+
+# Elementwise ops whose kernels promote mixed float inputs to the widest (TensorIterator):
+# add(x_fp16, y_fp32) computes in fp32 with no separate conversion kernel.
+PROMOTING = frozenset({
+    "add", "sub", "rsub", "mul", "div", "where", "maximum", "minimum", "atan2", "remainder",
+    "fmod", "floor_divide", "hypot", "eq", "ne", "lt", "le", "gt", "ge", "cat", "concat",
+    "concatenate", "stack",
+})
 
 
 def follows_other_dtype(node: torch.fx.Node) -> bool:

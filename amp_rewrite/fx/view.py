@@ -207,7 +207,9 @@ class _Builder:
             specs.append(_GroupSpec(node, "in", key, ports, op_class=OpClass.CLEAR))
         if outputs:
             out = _GroupSpec(node, "out", key, outputs=outputs, op_class=OpClass.CLEAR)
-            out.fix(self.precisions[dtype], f"{key}: the model's own dtype argument {dtype} is kept")
+            if not (key in opkeys.RETYPABLE and dtype == torch.float32):
+                out.fix(self.precisions[dtype],
+                        f"{key}: the model's own dtype argument {dtype} is kept")
             specs.append(out)
         return specs
 

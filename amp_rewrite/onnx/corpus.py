@@ -365,14 +365,25 @@ def _feeds(model: onnx.ModelProto, inputs: Sequence[Any]) -> dict[str, Any]:
     return {name: _to_value(x) for name, x in zip(names, inputs)}
 
 
+def _checker_error(model: onnx.ModelProto) -> str | None:
+    try:
+        onnx.checker.check_model(model, full_check=True)
+    except Exception as e:  # checker and strict shape-inference errors both mean "invalid"
+        return first_line(e)
+    return None
+
+
 def baseline_case(
     name: str, model: onnx.ModelProto, feeds: dict[str, Any], expected: Sequence[Any]
 ) -> Case | str:
-    """The Case if ORT reproduces ``expected`` from the FP32 model, else why not.
+    """The Case if the FP32 model passes the checker and ORT reproduces ``expected``, else why not.
 
     Also records whether the reference evaluator reproduces it (else no reference check).
     """
     expected = tuple(expected)
+    checker_error = _checker_error(model)
+    if checker_error:  # no converter can be asked to turn an invalid model into a valid one
+        return f"FP32 model fails the checker: {checker_error}"
     try:
         got = run_ort(model, feeds)
     except Exception as e:  # any ORT failure just excludes the case from the baseline
@@ -390,7 +401,7 @@ def baseline_case(
 
 @functools.lru_cache(maxsize=1)
 def build_corpus() -> Corpus:
-    """All node test cases with a float32 tensor whose FP32 model ORT reproduces."""
+    """All node test cases with a float32 tensor that are valid and ORT reproduces in FP32."""
     cases: list[Case] = []
     excluded: dict[str, str] = {}
     all_cases = _node_testcases()
@@ -416,14 +427,6 @@ def collect_float_cases() -> list[Case]:
 
 
 # ---------------------------------------------------------------- evaluating a conversion
-
-
-def _checker_error(model: onnx.ModelProto) -> str | None:
-    try:
-        onnx.checker.check_model(model, full_check=True)
-    except Exception as e:  # checker and strict shape-inference errors both mean "invalid"
-        return first_line(e)
-    return None
 
 
 def _ort_check(case: Case, model: onnx.ModelProto, tol: Tolerance) -> Comparison:

@@ -216,7 +216,7 @@ class LossScaler:
             for group in optimizer.param_groups:
                 for param in group["params"]:
                     if param.grad is not None:
-                        return self._device or param.grad.device
+                        return param.grad.device if self._device is None else self._device
         raise TrainingError(f"{caller} before scale(): the gradients did not come from a loss "
                             "scaled by this scaler; call backward() on scaler.scale(loss) first")
 

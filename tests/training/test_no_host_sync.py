@@ -130,15 +130,20 @@ def test_cuda_sync_debug_mode() -> None:
     opt = torch.optim.Adam(model.parameters(), fused=True)
     scaler = LossScaler(hysteresis=2, min_scale=1.0)
     x = torch.randn(8, 64, device="cuda")
+
+    def iteration() -> None:
+        scaler.scale(model(x).square().mean()).backward()
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+    iteration()  # warm-up: the optimizer creates its state
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(3):
-            scaler.scale(model(x).square().mean()).backward()
-            scaler.unscale_(opt)
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad()
+            iteration()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert scaler.get_scale() == 2.0**16
+    assert scaler.get_scale() == 2.0**16 and scaler.skipped_steps == 0

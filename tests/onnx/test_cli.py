@@ -1,0 +1,191 @@
+"""amp-rewrite on the command line: the happy path, and each bad input with its exit code.
+
+Bad input must give one line on stderr, its exit code, no traceback, no output file, and leave
+the input untouched.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from amp_rewrite.cli import main
+
+from .conftest import parse
+
+EXAMPLE = Path(__file__).parents[2] / "examples" / "transformer_block.onnx"
+EXAMPLE_INPUTS = EXAMPLE.with_name("transformer_block_inputs.npz")
+
+
+@pytest.fixture
+def model_path(tmp_path) -> Path:
+    path = tmp_path / "block.onnx"
+    shutil.copy(EXAMPLE, path)
+    return path
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def run_cli(args, capsys):
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_clean_failure(tmp_path, code, err, expected_code, needle, before):
+    assert code == expected_code, err
+    assert err.count("\n") == 1 and err.startswith("amp-rewrite: error:"), err
+    assert needle in err, err
+    assert "Traceback" not in err
+    assert not list(tmp_path.glob("*.amp.onnx")) and not list(tmp_path.glob(".amp_rewrite_*"))
+    for path, d in before.items():
+        assert digest(path) == d
+
+
+def test_rewrite_validate_report_explain(model_path, tmp_path, capsys):
+    before = digest(model_path)
+    report = tmp_path / "r.json"
+    code, out, err = run_cli([model_path, "--validate", "--calibrate", EXAMPLE_INPUTS,
+                              "--report", report, "--explain", "node_MatMul_0"], capsys)
+    assert code == 0, err
+    out_path = tmp_path / "block.amp.onnx"
+    mixed = onnx.load(out_path)
+    onnx.checker.check_model(mixed, full_check=True)
+    assert digest(model_path) == before
+    data = json.loads(report.read_text())
+    assert data["casts_inserted"] == sum(n.op_type == "Cast" for n in mixed.graph.node)
+    assert {"name", "op_type", "precision", "class", "reason"} <= set(data["nodes"][0])
+    assert "casts inserted" in out and "max rel" in out
+
+
+def test_missing_path(tmp_path, capsys):
+    code, _, err = run_cli([tmp_path / "nope.onnx"], capsys)
+    assert_clean_failure(tmp_path, code, err, 3, "no such file", {})
+
+
+def test_bytes_that_are_not_onnx(tmp_path, capsys):
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"\x00\xffthis is not a protobuf\x12\x99" * 10)
+    code, _, err = run_cli([bad], capsys)
+    assert_clean_failure(tmp_path, code, err, 3, "bad.onnx", {bad: digest(bad)})
+
+
+def test_truncated_file(model_path, tmp_path, capsys):
+    data = model_path.read_bytes()
+    model_path.write_bytes(data[: len(data) // 2])
+    code, _, err = run_cli([model_path], capsys)
+    assert_clean_failure(tmp_path, code, err, 3, "block.onnx", {model_path: digest(model_path)})
+
+
+def test_invalid_graph(tmp_path, capsys):
+    model = onnx.helper.make_model(onnx.helper.make_graph(
+        [onnx.helper.make_node("MatMul", ["x", "missing"], ["y"])], "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 2])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 2])]))
+    path = tmp_path / "invalid.onnx"
+    onnx.save(model, path)
+    code, _, err = run_cli([path], capsys)
+    assert_clean_failure(tmp_path, code, err, 3, "invalid ONNX model", {path: digest(path)})
+
+
+def test_unknown_custom_op_is_kept_fp32_and_reported(tmp_path, capsys):
+    model = parse("""
+    <ir_version: 9, opset_import: ["" : 18, "acme" : 1]>
+    g (float[2, 8] x) => (float[2, 8] y) <float[8, 8] w> {
+        h = MatMul(x, w)
+        y = acme.Frobnicate(h)
+    }""")
+    path = tmp_path / "custom.onnx"
+    onnx.save(model, path)
+    code, out, err = run_cli([path, "--report", tmp_path / "r.json"], capsys)
+    assert code == 0, err
+    assert "acme::Frobnicate" in out
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["unlisted_ops"] == ["acme::Frobnicate"]
+
+
+def test_model_without_float_tensors(tmp_path, capsys):
+    model = parse("""
+    <ir_version: 9, opset_import: ["" : 18]>
+    g (int64[4] a, int64[4] b) => (int64[4] c) { c = Add(a, b) }""")
+    path = tmp_path / "ints.onnx"
+    onnx.save(model, path)
+    code, out, err = run_cli([path], capsys)
+    assert code == 0 and "nothing to change" in out
+
+
+def test_already_converted_model_is_a_no_op(model_path, tmp_path, capsys):
+    assert run_cli([model_path, "-o", tmp_path / "once.onnx"], capsys)[0] == 0
+    code, out, _ = run_cli([tmp_path / "once.onnx", "-o", tmp_path / "twice.onnx"], capsys)
+    assert code == 0 and "nothing to change" in out
+    once, twice = onnx.load(tmp_path / "once.onnx"), onnx.load(tmp_path / "twice.onnx")
+    assert [n.op_type for n in once.graph.node] == [n.op_type for n in twice.graph.node]
+
+
+def test_output_equal_to_input(model_path, tmp_path, capsys):
+    before = {model_path: digest(model_path)}
+    code, _, err = run_cli([model_path, "-o", model_path], capsys)
+    assert_clean_failure(tmp_path, code, err, 2, "overwrite the input", before)
+
+
+def test_malformed_rule_file(model_path, tmp_path, capsys):
+    rules = tmp_path / "bad.toml"
+    rules.write_text('schema = 1\n[allow]\nMatMul = "a"\n[deny]\nMatMul = "b"\n')
+    before = {model_path: digest(model_path)}
+    code, _, err = run_cli([model_path, "--rules", rules], capsys)
+    assert_clean_failure(tmp_path, code, err, 2, "bad.toml", before)
+
+
+def test_unknown_flag(model_path, tmp_path, capsys):
+    code, _, err = run_cli([model_path, "--frobnicate"], capsys)
+    assert_clean_failure(tmp_path, code, err, 2, "--frobnicate", {model_path: digest(model_path)})
+
+
+def test_validation_failure_writes_nothing(model_path, tmp_path, capsys):
+    code, out, err = run_cli([model_path, "--validate", "--tolerance", "1e-9"], capsys)
+    assert_clean_failure(tmp_path, code, err, 4, "beyond tolerance", {})
+    assert "FAIL" in out
+
+
+def test_list_rules_shows_sources(monkeypatch, capsys):
+    monkeypatch.setenv("AMP_REWRITE_ALLOW_ADD", "MyOp")
+    code, out, _ = run_cli(["--list-rules"], capsys)
+    assert code == 0
+    line = next(l for l in out.splitlines() if " MyOp " in l)
+    assert line.startswith("allow") and "$AMP_REWRITE_ALLOW_ADD" in line
+    assert "onnx.toml" in next(l for l in out.splitlines() if " MatMul " in l)
+
+
+def test_console_script_exit_code(tmp_path):
+    """The installed entry point itself: a subprocess, exit code 3, one stderr line."""
+    exe = Path(sys.executable).with_name("amp-rewrite")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "amp_rewrite.cli"]
+    proc = subprocess.run([*cmd, str(tmp_path / "missing.onnx")], capture_output=True, text=True)
+    assert proc.returncode == 3 and proc.stderr.count("\n") == 1
+
+
+def test_external_data_round_trip(tmp_path, capsys, rng):
+    model = onnx.load(EXAMPLE)
+    src = tmp_path / "ext.onnx"
+    onnx.save(model, src, save_as_external_data=True, location="ext.onnx.data",
+              size_threshold=0)
+    code, _, err = run_cli([src, "-o", tmp_path / "out.onnx"], capsys)
+    assert code == 0, err
+    assert (tmp_path / "out.onnx.data").exists()
+    out = onnx.load(tmp_path / "out.onnx", load_external_data=False)
+    assert any(t.data_location == onnx.TensorProto.EXTERNAL for t in out.graph.initializer)
+    onnx.checker.check_model(str(tmp_path / "out.onnx"), full_check=True)
+    import onnxruntime as ort
+
+    feeds = dict(np.load(EXAMPLE_INPUTS))
+    sess = ort.InferenceSession(str(tmp_path / "out.onnx"), providers=["CPUExecutionProvider"])
+    assert np.isfinite(sess.run(None, feeds)[0]).all()

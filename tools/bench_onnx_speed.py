@@ -1,0 +1,217 @@
+"""Conversion speed of amp_rewrite and the peer converters on long synthetic chains.
+
+Each model is a chain of blocks ``MatMul(16x16) -> Add -> Relu`` on a [4, 16] float32
+activation with FP32 initializers; the ``blocked`` variant appends a ``CumSum`` to every
+block: a reduction that amp_rewrite denies and that onnxconverter-common and ORT's
+converter keep in FP32 by default, so every block needs casts in and out. Sizes are node
+counts (1k, 10k, 50k by default).
+
+Every converter runs in a worker process of its own (started and warmed up on a tiny model
+before timing), so a run that exceeds ``--timeout`` is killed and reported as ">timeout";
+larger models of that variant are then skipped for it. The time is measured inside the
+worker around the call that goes from ModelProto to ModelProto (amp_rewrite: load into
+onnx_ir, rewrite, check, back to ModelProto). Model build time is reported apart.
+
+    PYTHONPATH=. python tools/bench_onnx_speed.py [--sizes 1000 10000 50000]
+        [--converters amp_rewrite onnxconverter_common] [--timeout 300]
+        [--out results/bench_onnx_speed.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+from tqdm import tqdm
+
+from amp_rewrite.onnx import corpus, peers
+
+log = logging.getLogger("bench_onnx_speed")
+
+WIDTH, BATCH = 16, 4
+VARIANTS = ("plain", "blocked")
+BLOCK_OPS = {"plain": ("MatMul", "Add", "Relu"), "blocked": ("MatMul", "Add", "Relu", "CumSum")}
+BASELINE = "amp_rewrite"
+
+
+def build_chain(n_nodes: int, variant: str, seed: int = 0) -> onnx.ModelProto:
+    """A chain of at least ``n_nodes`` nodes (whole blocks) with FP32 initializers."""
+    ops = BLOCK_OPS[variant]
+    rng = np.random.default_rng(seed)
+    nodes: list[onnx.NodeProto] = []
+    inits: list[onnx.TensorProto] = []
+    if variant == "blocked":
+        inits.append(numpy_helper.from_array(np.array(1, np.int64), "axis"))
+    x = "x"
+    # Weights scaled so activations stay O(1) through thousands of blocks (finite FP32 run).
+    scale = 0.5 / np.sqrt(WIDTH)
+    for b in range(-(-n_nodes // len(ops))):
+        w = rng.uniform(-scale, scale, (WIDTH, WIDTH)).astype(np.float32)
+        bias = rng.uniform(-0.1, 0.1, WIDTH).astype(np.float32)
+        inits += [numpy_helper.from_array(w, f"w{b}"), numpy_helper.from_array(bias, f"b{b}")]
+        nodes += [helper.make_node("MatMul", [x, f"w{b}"], [f"m{b}"]),
+                  helper.make_node("Add", [f"m{b}", f"b{b}"], [f"a{b}"]),
+                  helper.make_node("Relu", [f"a{b}"], [f"r{b}"])]
+        x = f"r{b}"
+        if variant == "blocked":
+            nodes.append(helper.make_node("CumSum", [x, "axis"], [f"c{b}"]))
+            x = f"c{b}"
+    nodes[-1].output[0] = "y"
+    graph = helper.make_graph(
+        nodes, f"chain_{variant}_{n_nodes}",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [BATCH, WIDTH])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [BATCH, WIDTH])],
+        inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _repeats(size: int, table: list[int], sizes: list[int]) -> int:
+    return table[min(sizes.index(size), len(table) - 1)]
+
+
+class Bench:
+    """Times converters in their own worker processes; remembers which variants timed out."""
+
+    def __init__(self, names: list[str], dtype: str, timeout: float, tmp: Path) -> None:
+        self.dtype, self.timeout, self.tmp = dtype, timeout, tmp
+        self.workers = {name: peers.CONVERTERS[name].worker() for name in names}
+        self.timed_out: set[tuple[str, str]] = set()
+        warmup = tmp / "warmup.onnx"
+        onnx.save(build_chain(8, "blocked"), warmup)
+        for name, worker in self.workers.items():
+            worker.start()
+            try:
+                worker.convert_timed(warmup, dtype, timeout)  # first-call imports are not timed
+            except RuntimeError as e:  # the timed runs will report the same error
+                log.warning("%s fails on the warm-up model: %s", name, e)
+
+    def run(self, name: str, model_path: Path, variant: str, repeats: int) -> dict[str, Any]:
+        if (name, variant) in self.timed_out:
+            return {"status": "skipped", "note": "timed out on a smaller model"}
+        seconds: list[float] = []
+        casts = None
+        for _ in range(repeats):
+            try:
+                converted, s = self.workers[name].convert_timed(model_path, self.dtype, self.timeout)
+            except peers.ConverterTimeoutError:
+                self.timed_out.add((name, variant))
+                return {"status": "timeout", "runs": seconds, "timeout": self.timeout}
+            except RuntimeError as e:  # the converter raised: report it, keep benchmarking
+                return {"status": "error", "error": str(e)}
+            seconds.append(s)
+            casts = corpus.count_casts(converted)
+        return {"status": "ok", "runs": seconds, "median": statistics.median(seconds),
+                "casts": casts}
+
+    def close(self) -> None:
+        for worker in self.workers.values():
+            worker.close()
+
+
+def _seconds_cell(run: dict[str, Any]) -> str:
+    return {"ok": lambda: f"{run['median']:.2f}", "timeout": lambda: f">{run['timeout']:g}",
+            "skipped": lambda: "skipped", "error": lambda: "error"}[run["status"]]()
+
+
+def _ratio_cell(run: dict[str, Any], base: dict[str, Any] | None) -> str:
+    if base is None or base["status"] != "ok":
+        return "-"
+    if run["status"] == "ok":
+        return f"{run['median'] / base['median']:.1f}x"
+    if run["status"] == "timeout":
+        return f">{run['timeout'] / base['median']:.0f}x"
+    return "-"
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    base = {(r["size"], r["variant"]): r for r in rows if r["converter"] == BASELINE}
+    header = ["nodes", "variant", "converter", "seconds", f"vs {BASELINE}", "casts", "repeats"]
+    body = [[str(r["nodes"]), r["variant"], r["converter"], _seconds_cell(r),
+             _ratio_cell(r, base.get((r["size"], r["variant"]))),
+             str(r.get("casts", "-")), str(len(r.get("runs", [])))] for r in rows]
+    widths = [max(len(x) for x in col) for col in zip(header, *body)]
+    lines = ["  ".join(x.rjust(w) for x, w in zip(line, widths)) for line in [header, *body]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    for r in rows:
+        if r["status"] == "error":
+            lines.append(f"{r['converter']} on {r['nodes']} {r['variant']}: {r['error']}")
+    return "\n".join(lines)
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", nargs="+", type=int, default=[1000, 10000, 50000])
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--converters", nargs="+", default=list(peers.CONVERTERS),
+                        choices=list(peers.CONVERTERS))
+    parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    parser.add_argument("--repeats", nargs="+", type=int, default=[5, 3, 1],
+                        help="runs per size, in the order of --sizes (the last one repeats)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
+    parser.add_argument("--out", type=Path, default=Path("results/bench_onnx_speed.json"))
+    return parser.parse_args(argv)
+
+
+def _runnable(args: argparse.Namespace) -> list[str]:
+    names = []
+    for name, reason in peers.available_peers(args.converters).items():
+        if reason:
+            print(f"skipped {name}: {reason}")
+        elif not peers.CONVERTERS[name].supports(args.dtype):
+            print(f"skipped {name}: does not convert to {args.dtype}")
+        else:
+            names.append(name)
+    return names
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    names = _runnable(args)
+    rows: list[dict[str, Any]] = []
+    models: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="bench_onnx_speed_") as tmp:
+        bench = Bench(names, args.dtype, args.timeout, Path(tmp))
+        try:
+            for size in sorted(args.sizes):
+                for variant in args.variants:
+                    start = time.perf_counter()
+                    model = build_chain(size, variant)
+                    build_seconds = time.perf_counter() - start
+                    path = Path(tmp) / f"{variant}_{size}.onnx"
+                    onnx.save(model, path)
+                    nodes = len(model.graph.node)
+                    models.append({"size": size, "variant": variant, "nodes": nodes,
+                                   "build_seconds": build_seconds})
+                    repeats = _repeats(size, args.repeats, sorted(args.sizes))
+                    for name in tqdm(names, desc=f"{variant} {nodes}", leave=False):
+                        run = bench.run(name, path, variant, repeats)
+                        rows.append({"size": size, "variant": variant, "nodes": nodes,
+                                     "converter": name, **run})
+        finally:
+            bench.close()
+    print(format_table(rows))
+    print("model build (not counted): " + ", ".join(
+        f"{m['variant']} {m['nodes']}: {m['build_seconds']:.2f} s" for m in models))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    report = {"dtype": args.dtype, "timeout": args.timeout, "python": sys.version.split()[0],
+              "machine": platform.platform(), "processor": platform.processor(),
+              "models": models, "runs": rows}
+    args.out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
