@@ -71,8 +71,8 @@ def promoted_reads(view: FxView, plan: PrecisionPlan) -> set[tuple[Hashable, Nod
         if plan.precision(group) is not Precision.HIGH or info.op_key not in opkeys.PROMOTING:
             continue
         produced = {p.value: plan.precision(view.values[p.value]) for p in ports}
-        if any(prec is Precision.HIGH and p.value.meta["val"].dim() > 0
-               for p in ports if (prec := produced[p.value]) is Precision.HIGH):
+        if any(produced[p.value] is Precision.HIGH and p.value.meta["val"].dim() > 0
+               for p in ports):
             covered |= {(group, v) for v, prec in produced.items() if prec is Precision.LOW}
     return covered
 
@@ -216,11 +216,16 @@ def _set_val(node: Node, val: object, dtype: torch.dtype) -> None:
 
 def check_applied(view: FxView, plan: PrecisionPlan) -> None:
     """Postcondition on refreshed ``meta['val']``: every port reads its group's dtype."""
+    promoted = promoted_reads(view, plan)
     for group, ports in view.ports.items():
         want = view.dtype(plan.precision(group))
         for port in ports:
             val = get_arg(port.node, port.path).meta.get("val")
-            if isinstance(val, torch.Tensor) and val.dtype != want:
+            if (group, port.value) in promoted:
+                want_here = view.low
+            else:
+                want_here = want
+            if isinstance(val, torch.Tensor) and val.dtype != want_here:
                 raise AmpRewriteError(
                     f"internal error: {port.node.name} reads {port.value.name} as {val.dtype} "
-                    f"but the plan runs it in {want}")
+                    f"but the plan runs it in {want_here}")
