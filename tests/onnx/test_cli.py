@@ -55,7 +55,7 @@ def test_rewrite_validate_report_explain(model_path, tmp_path, capsys):
     before = digest(model_path)
     report = tmp_path / "r.json"
     code, out, err = run_cli([model_path, "--validate", "--calibrate", EXAMPLE_INPUTS,
-                              "--report", report, "--explain", "node_MatMul_0"], capsys)
+                              "--report", report, "--explain", "node_layer_norm"], capsys)
     assert code == 0, err
     out_path = tmp_path / "block.amp.onnx"
     mixed = onnx.load(out_path)
@@ -65,6 +65,7 @@ def test_rewrite_validate_report_explain(model_path, tmp_path, capsys):
     assert data["casts_inserted"] == sum(n.op_type == "Cast" for n in mixed.graph.node)
     assert {"name", "op_type", "precision", "class", "reason"} <= set(data["nodes"][0])
     assert "casts inserted" in out and "max rel" in out
+    assert "node_layer_norm (LayerNormalization/T): low" in out
 
 
 def test_missing_path(tmp_path, capsys):
