@@ -103,7 +103,8 @@ class Bench:
         casts = None
         for _ in range(repeats):
             try:
-                converted, s = self.workers[name].convert_timed(model_path, self.dtype, self.timeout)
+                worker = self.workers[name]
+                converted, s = worker.convert_timed(model_path, self.dtype, self.timeout)
             except peers.ConverterTimeoutError:
                 self.timed_out.add((name, variant))
                 return {"status": "timeout", "runs": seconds, "timeout": self.timeout}

@@ -3,7 +3,7 @@
 Capture (``torch.export`` by default, ``symbolic_trace`` on request, or a GraphModule as is),
 then the passes of :mod:`amp_rewrite.fx.passes` on the shared core (DESIGN §1-2). The result
 keeps FP32 parameters (cast in-graph once per forward), the original ``state_dict`` keys, shapes
-and dtypes, and carries ``gm.amp_report`` (same schema as the ONNX ``--report``).
+and dtypes, and carries ``gm.amp_report`` (the ONNX ``--report`` schema).
 """
 from __future__ import annotations
 
@@ -17,8 +17,6 @@ from typing import Any
 import torch
 
 from amp_rewrite.core import LowDtype, load_rules
-from amp_rewrite.core.report import node_records, precision_counts, unlisted_ops
-from amp_rewrite.core.plan import explain_chain
 from amp_rewrite.errors import UsageError
 from amp_rewrite.fx.capture import capture as capture_module
 from amp_rewrite.fx.capture import refresh_fake_values
@@ -30,7 +28,7 @@ __all__ = ["explain", "rewrite", "rewrite_graph"]
 log = logging.getLogger(__name__)
 
 _TORCH_DTYPES = {LowDtype.FLOAT16: torch.float16, LowDtype.BFLOAT16: torch.bfloat16}
-REPORT_KEY = "amp_rewrite"  # gm.meta key holding (view, plan) for explain()
+PASS_KEY = "amp_rewrite"  # gm.meta key holding the MixedPrecisionPass, for explain()
 
 
 def rewrite(model: torch.nn.Module, example_inputs: Any = None, *,
@@ -41,9 +39,10 @@ def rewrite(model: torch.nn.Module, example_inputs: Any = None, *,
     """Capture ``model`` and return a trainable mixed-precision ``GraphModule``.
 
     ``dtype``: torch.float16 / torch.bfloat16 (or 'fp16' / 'bf16'). ``capture``: 'export'
-    (default) or 'symbolic_trace'; a GraphModule is taken as is. ``dynamic_shapes``: passed to
-    ``torch.export.export``. ``rules``: extra rule files. ``keep_fp32``: fnmatch patterns on
-    node names or module paths kept fp32. ``keep_io_types``: outputs keep their dtypes.
+    (default) or 'symbolic_trace'; a GraphModule is taken as is (``example_inputs`` only needed
+    when its nodes carry no ``meta['val']``). ``dynamic_shapes``: passed to
+    ``torch.export.export``. ``rules``: extra rule files. ``keep_fp32``: fnmatch patterns on node
+    names or module paths kept fp32. ``keep_io_types``: outputs keep their dtypes.
     The user's module is never mutated; the result owns copies of its parameters.
     """
     if example_inputs is None and not isinstance(model, torch.fx.GraphModule):
@@ -54,7 +53,7 @@ def rewrite(model: torch.nn.Module, example_inputs: Any = None, *,
     captured = time.perf_counter()
     gm = rewrite_graph(gm, dtype=dtype, rules=rules, keep_fp32=keep_fp32,
                        keep_io_types=keep_io_types)
-    gm.amp_report["capture_s"] = round(captured - start, 4)
+    gm.amp_report["capture_seconds"] = round(captured - start, 4)
     return gm
 
 
@@ -62,8 +61,22 @@ def rewrite_graph(gm: torch.fx.GraphModule, *, dtype: torch.dtype | str = torch.
                   rules: Iterable[str] = (), keep_fp32: Iterable[str] = (),
                   keep_io_types: bool = True) -> torch.fx.GraphModule:
     """Run the passes on a captured GraphModule (``meta['val']`` on its nodes), in place."""
+    low = LowDtype.parse(dtype)
+    options = MixedPrecisionOptions(load_rules("torch", extra_files=list(rules)),
+                                    _TORCH_DTYPES[low], low.max_finite, tuple(keep_fp32),
+                                    keep_io_types)
+    start = time.perf_counter()
     with _gc_paused():
-        return _rewrite_graph(gm, dtype, rules, keep_fp32, keep_io_types)
+        if InlineModules()(gm).modified:
+            refresh_fake_values(gm)
+        FunctionalizeInPlace()(gm)
+        amp = MixedPrecisionPass(options)
+        amp(gm)
+    gm.meta[PASS_KEY] = amp
+    gm.amp_report = {**amp.report(), "seconds": round(time.perf_counter() - start, 4)}
+    for note in gm.amp_report["notes"]:
+        log.warning("%s", note)
+    return gm
 
 
 @contextlib.contextmanager
@@ -78,51 +91,13 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _rewrite_graph(gm: torch.fx.GraphModule, dtype: torch.dtype | str, rules: Iterable[str],
-                   keep_fp32: Iterable[str], keep_io_types: bool) -> torch.fx.GraphModule:
-    start = time.perf_counter()
-    low = LowDtype.parse(dtype)
-    rule_set = load_rules("torch", extra_files=list(rules))
-    options = MixedPrecisionOptions(rule_set, _TORCH_DTYPES[low], low.max_finite,
-                                    tuple(keep_fp32), keep_io_types)
-    if InlineModules()(gm).modified:
-        refresh_fake_values(gm)
-    FunctionalizeInPlace(rule_set)(gm)
-    amp = MixedPrecisionPass(options)
-    amp(gm)
-    gm.meta[REPORT_KEY] = (amp.view, amp.plan)
-    gm.amp_report = _report(amp, low, time.perf_counter() - start)
-    for note in gm.amp_report["notes"]:
-        log.warning("%s", note)
-    return gm
-
-
-def _report(amp: MixedPrecisionPass, low: LowDtype, seconds: float) -> dict:
-    """Per-node decisions in the ONNX ``--report`` schema, plus fx counters."""
-    records = node_records(amp.plan, amp.view.graph)
-    notes = list(amp.view.notes)
-    if not records:
-        notes.append("the model has no floating-point tensors: returned unchanged")
-    unlisted = unlisted_ops(records)
-    if unlisted:
-        notes.append(f"ops in no rule list, kept fp32: {', '.join(unlisted)}")
-    return {
-        "adapter": "fx", "dtype": low.value, "nodes": records,
-        "precision_counts": precision_counts(records),
-        "casts_inserted": amp.applied.casts_inserted,
-        "casts": len(amp.plan.casts), "cast_bytes": amp.plan.cast_units,
-        "unlisted_ops": unlisted, "notes": notes, "rewrite_s": round(seconds, 4),
-    }
-
-
-def explain(gm: torch.fx.GraphModule, node_name: str) -> str:
-    """Print (and return) why node ``node_name`` of a rewritten module runs low or high."""
-    if REPORT_KEY not in gm.meta:
+def explain(gm: torch.fx.GraphModule, node_name: str) -> list[str]:
+    """Print and return why node ``node_name`` of a rewritten module runs low or high."""
+    amp = gm.meta.get(PASS_KEY) if hasattr(gm, "meta") else None
+    if amp is None:
         raise UsageError("this GraphModule was not produced by amp_rewrite.rewrite")
-    view, plan = gm.meta[REPORT_KEY]
-    groups = [g.key for g in view.graph.groups() if g.name == node_name]
-    if not groups:
+    lines = amp.explain(node_name)
+    if not lines:
         raise UsageError(f"no node named {node_name!r} with floating-point ports in this graph")
-    text = "\n".join(line for key in groups for line in explain_chain(plan, view.graph, key))
-    print(text)
-    return text
+    print("\n".join(lines))
+    return lines

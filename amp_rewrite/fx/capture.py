@@ -145,8 +145,11 @@ def _symbolic_trace(module: torch.nn.Module, args: tuple, kwargs: dict) -> torch
 
 
 def has_fake_values(gm: torch.fx.GraphModule) -> bool:
-    """True when every placeholder and call node already carries ``meta['val']``."""
-    ops = ("placeholder", "call_function", "call_method", "call_module")
+    """True when every placeholder and function/method call carries ``meta['val']``.
+
+    (Modules are left out: export's ``_guards_fn`` returns nothing and has no value.)
+    """
+    ops = ("placeholder", "call_function", "call_method")
     return all("val" in n.meta for n in gm.graph.nodes if n.op in ops)
 
 

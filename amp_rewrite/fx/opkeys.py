@@ -8,6 +8,7 @@ same keys (``nn.Linear``, ``F.linear`` → ``linear``; ``x.softmax`` → ``softm
 """
 from __future__ import annotations
 
+import functools
 import operator
 import re
 from typing import Any
@@ -230,22 +231,35 @@ def mutated_argument(node: torch.fx.Node, gm: torch.fx.GraphModule) -> torch.fx.
     return None
 
 
-def is_view(node: torch.fx.Node, clear_ops: frozenset[str], gm: torch.fx.GraphModule) -> bool:
-    """True when the node's output may alias its first input.
+def is_view(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
+    """True when the node's output may alias its first input (a view, or the input itself).
 
-    ATen schemas say so exactly; for torch-level nodes every clear op is assumed to alias,
-    which is safe (more aliasing only makes the rewrite more careful).
+    ATen overloads say so in their schema; torch-level calls are looked up by op key, and
+    count as views when any overload of that ATen op returns an alias (safe: more aliasing
+    only makes the rewrite more careful).
     """
     target = node.target
     if node.op == "call_function" and isinstance(target, torch._ops.OpOverload):
-        returns = target._schema.returns
-        return bool(returns) and returns[0].alias_info is not None and not (
-            returns[0].alias_info.is_write)
+        return _returns_alias(target)
     if node.op == "call_function" and target is operator.getitem:
         return True
     if node.op in ("call_function", "call_method", "call_module"):
-        return op_key(node, gm) in clear_ops
+        return _aten_op_may_alias(op_key(node, gm))
     return False
+
+
+def _returns_alias(op: torch._ops.OpOverload) -> bool:
+    returns = op._schema.returns
+    return bool(returns) and returns[0].alias_info is not None and not (
+        returns[0].alias_info.is_write)
+
+
+@functools.cache
+def _aten_op_may_alias(key: str) -> bool:
+    packet = getattr(torch.ops.aten, key, None) if "::" not in key else None
+    if packet is None:
+        return True  # unknown: assume it may alias
+    return any(_returns_alias(getattr(packet, name)) for name in packet.overloads())
 
 
 def functional_variant(node: torch.fx.Node) -> Any | None:

@@ -23,7 +23,8 @@ from torch import nn
 from torch.fx import Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-from amp_rewrite.core import OpClass, PrecisionPlan, RuleSet, plan_precision
+from amp_rewrite.core import Precision, PrecisionPlan, RuleSet, explain_chain, plan_precision
+from amp_rewrite.core.report import node_records, precision_counts, unlisted_ops
 from amp_rewrite.fx import opkeys
 from amp_rewrite.fx.apply import ApplyResult, apply_plan, check_applied, retype_values
 from amp_rewrite.fx.view import FxView, alias_set, build_view, resolve
@@ -90,33 +91,48 @@ def _field(gm: torch.fx.GraphModule, node: Node, module: nn.Module, field: str) 
 
 
 class FunctionalizeInPlace(PassBase):
-    """In-place ops on intermediate tensors nobody reads afterwards → out-of-place ops."""
-
-    def __init__(self, rules: RuleSet) -> None:
-        self.clear_ops = frozenset(rules.ops(OpClass.CLEAR))
+    """In-place ops on intermediate tensors → out-of-place ops (see the module docstring)."""
 
     def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
         order = {n: i for i, n in enumerate(graph_module.graph.nodes)}
         changed = 0
         for node in list(graph_module.graph.nodes):
-            if node.op in ("call_function", "call_method") and self._safe(graph_module, node,
-                                                                           order):
+            if node.op not in ("call_function", "call_method"):
+                continue
+            later = self._later_readers(graph_module, node, order)
+            if later is not None:
+                written = resolve(opkeys.mutated_argument(node, graph_module))
                 changed += _make_functional(node)
+                for user in later:  # they read the written tensor: now the op's result
+                    user.replace_input_with(written, node)
         if changed:
             graph_module.graph.lint()
             graph_module.recompile()
         return PassResult(graph_module, bool(changed))
 
-    def _safe(self, gm: torch.fx.GraphModule, node: Node, order: dict[Node, int]) -> bool:
-        """Legality: the written tensor is an intermediate and no one reads it after ``node``."""
+    def _later_readers(self, gm: torch.fx.GraphModule, node: Node,
+                       order: dict[Node, int]) -> list[Node] | None:
+        """Legality: readers of the written tensor after ``node``, or None if it must stay.
+
+        It must stay when the tensor is an input, parameter or buffer (the write is the
+        point), or when a view or base of it is read after the write (no result to rewire).
+        """
         target = opkeys.mutated_argument(node, gm)
         if target is None or not _replaceable(node):
-            return False
-        aliases = alias_set(resolve(target), gm, self.clear_ops)
+            return None
+        written = resolve(target)
+        aliases = alias_set(written, gm)
         if any(a.op in ("placeholder", "get_attr") for a in aliases):
-            return False
-        return all(user is node or user in aliases or order[user] < order[node]
-                   for a in aliases for user in a.users)
+            return None
+        later = []
+        for alias in aliases:
+            for user in alias.users:
+                if user is node or order[user] < order[node]:
+                    continue
+                if alias is not written:
+                    return None
+                later.append(user)
+        return later
 
 
 def _replaceable(node: Node) -> bool:
@@ -158,14 +174,74 @@ class MixedPrecisionPass(PassBase):
 
     def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
         opts = self.options
-        self.view = build_view(graph_module, opts.rules, opts.low, max_finite=opts.max_finite,
+        self.view = build_view(graph_module, opts.low, max_finite=opts.max_finite,
                                keep_io_types=opts.keep_io_types,
                                keep_fp32_modules=list(opts.keep_fp32))
-        self.plan = plan_precision(self.view.graph, opts.rules, keep_fp32=opts.keep_fp32)
+        self.plan = self._plan(self.view)
         self.applied = apply_plan(graph_module, self.view, self.plan)
         retype_values(graph_module, self.view, self.plan)
         return PassResult(graph_module, self.applied.modified)
 
+    def _plan(self, view: FxView) -> PrecisionPlan:
+        """Plan; the model's own fp32 conversions go low only when every reader runs low.
+
+        A conversion planned low with a high reader is pinned high and the plan redone: the
+        model asked for fp32 there (Llama's RMSNorm upcast, a residual stream), and only
+        readers that all run low make that request moot.
+        """
+        opts, pins = self.options, {}
+        while True:
+            plan = plan_precision(view.graph, opts.rules, keep_fp32=opts.keep_fp32, pins=pins)
+            new = {key: why for key, why in _conversions_with_high_readers(view, plan).items()
+                   if key not in pins}
+            if not new:
+                return plan
+            pins.update(new)
+
     def ensures(self, graph_module: torch.fx.GraphModule) -> None:
         if self.view is not None and self.plan is not None:
             check_applied(self.view, self.plan)
+
+    def report(self) -> dict:
+        """Per-node decisions and totals: the ONNX ``--report`` schema plus fx counters."""
+        records = node_records(self.plan, self.view.graph)
+        applied = self.applied
+        notes = []
+        if not records:
+            notes.append("the model has no floating-point tensors: returned unchanged")
+        unlisted = unlisted_ops(records)
+        if unlisted:
+            notes.append(f"ops in no rule list, kept fp32: {', '.join(unlisted)}")
+        return {
+            "dtype": str(self.options.low).removeprefix("torch."),
+            "nodes": records,
+            "casts_inserted": applied.casts_inserted,
+            "cast_bytes_planned": self.plan.cast_units,
+            "casts_planned": len(self.plan.casts),
+            "upcasts_by_promotion": applied.upcasts_by_promotion,
+            "precision_counts": precision_counts(records),
+            "nodes_retyped": applied.conversions_retyped,
+            "unlisted_ops": unlisted,
+            "notes": notes,
+            "modified": applied.modified,
+        }
+
+    def explain(self, node_name: str) -> list[str]:
+        """The reasons behind the precision of every port group of node ``node_name``."""
+        keys = [g.key for g in self.view.graph.groups() if g.name == node_name]
+        return [line for k in keys for line in explain_chain(self.plan, self.view.graph, k)]
+
+
+def _conversions_with_high_readers(view: FxView, plan: PrecisionPlan) -> dict:
+    """Free conversion outputs planned low although one of their readers runs high."""
+    graph, found = view.graph, {}
+    for info in graph.groups():
+        if info.tvar != "out" or info.fixed is not None or info.op_key not in opkeys.RETYPABLE:
+            continue
+        if plan.precision(info.key) is not Precision.LOW:
+            continue
+        readers = [c for v in graph.outputs(info.key) for c in graph.consumers(v)]
+        if any(plan.precision(c) is Precision.HIGH for c in readers):
+            found[info.key] = (f"{info.op_key}: the model's own conversion to float32 is kept "
+                               "because a reader runs high")
+    return found

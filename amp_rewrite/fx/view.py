@@ -28,10 +28,11 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Node
 
-from amp_rewrite.core import GroupInfo, OpClass, Precision, PrecisionGraph, RuleSet
+from amp_rewrite.core import GroupInfo, OpClass, Precision, PrecisionGraph
 from amp_rewrite.fx import opkeys
 
 CAST_TAG = "amp_rewrite_cast"  # node.meta key on the casts this package inserts
+IO_DTYPES = "amp_rewrite_output_dtypes"  # output-node meta key: dtypes before the first run
 ArgPath = tuple  # ("args", i[, j]) or ("kwargs", name[, j])
 _BATCH_NORMS = frozenset({"batch_norm", "native_batch_norm", "_native_batch_norm_legit",
                           "_native_batch_norm_legit_no_training",
@@ -84,6 +85,11 @@ class FxView:
 
 
 # ------------------------------------------------------------------------- small helpers
+
+
+def _dtype(node: Node) -> torch.dtype | None:
+    val = node.meta.get("val")
+    return val.dtype if isinstance(val, torch.Tensor) else None
 
 
 def is_cast(node: Node) -> bool:
@@ -146,9 +152,9 @@ def static_numel(val: torch.Tensor) -> int | None:
 class _Builder:
     """Builds an FxView; one instance per view, steps as methods."""
 
-    def __init__(self, gm: torch.fx.GraphModule, rules: RuleSet, low: torch.dtype,
-                 max_finite: float, keep_io_types: bool, keep_fp32_modules: list[str]) -> None:
-        self.gm, self.rules, self.low = gm, rules, low
+    def __init__(self, gm: torch.fx.GraphModule, low: torch.dtype, max_finite: float,
+                 keep_io_types: bool, keep_fp32_modules: list[str]) -> None:
+        self.gm, self.low = gm, low
         self.max_finite = max_finite
         self.keep_io_types = keep_io_types
         self.module_patterns = keep_fp32_modules
@@ -227,8 +233,12 @@ class _Builder:
         if node.op == "call_module":
             self._fix_module(spec)
         for x in float_scalars(node):
-            if math.isfinite(x) and abs(x) > self.max_finite:
-                spec.fix(Precision.HIGH, f"scalar argument {x:g} is outside the {self.low} range")
+            if math.isfinite(x) and abs(x) > self.max_finite and spec.fixed is None:
+                # Its output may hold the scalar too: a deny source, so following gray/clear
+                # ops keep it high as well (DESIGN §2).
+                spec.fix(Precision.HIGH, f"scalar argument {x:g} is outside the {self.low} "
+                                         "range, and so may be its output")
+                spec.op_class = OpClass.DENY
         stack = node.meta.get("nn_module_stack") or {}
         path = next(reversed(stack.values()))[0] if stack else ""
         for pattern in self.module_patterns:
@@ -252,7 +262,6 @@ class _Builder:
     # -- mutation ----------------------------------------------------------------------
     def fix_mutations(self) -> None:
         """Groups touching a tensor written in place keep its precision: a cast would copy it."""
-        clear = frozenset(self.rules.ops(OpClass.CLEAR))
         by_value: dict[Node, list[_GroupSpec]] = {}
         for spec in self.specs:
             for v in [p.value for p in spec.ports] + spec.outputs:
@@ -263,7 +272,7 @@ class _Builder:
             target = opkeys.mutated_argument(node, self.gm)
             if target is None or not self.is_value(resolve(target)):
                 continue
-            aliases = alias_set(resolve(target), self.gm, clear)
+            aliases = alias_set(resolve(target), self.gm)
             precision = self.precision_of(resolve(target))
             for v in aliases:
                 for spec in by_value.get(v, ()):
@@ -321,9 +330,13 @@ class _Builder:
 
     def _add_sinks(self, graph: PrecisionGraph, ports: dict[Hashable, list[Port]]) -> None:
         output = next(n for n in reversed(self.gm.graph.nodes) if n.op == "output")
-        for i, (path, arg) in enumerate(tensor_args(output)):
+        args = list(tensor_args(output))
+        # The original output dtypes, recorded on the first run: a rewritten value's
+        # meta['val'] has its new dtype, and keep_io_types means the caller's dtypes.
+        original = output.meta.setdefault(IO_DTYPES, [_dtype(resolve(a)) for _, a in args])
+        for i, (path, arg) in enumerate(args):
             value = resolve(arg)
-            precision = self.precision_of(value)
+            precision = self.precisions.get(original[i]) if self.is_value(value) else None
             if precision is None:
                 continue
             fixed = precision if self.keep_io_types else None
@@ -336,10 +349,10 @@ def _unique(values: Iterator[Node]) -> list[Node]:
     return list(dict.fromkeys(values))
 
 
-def alias_set(value: Node, gm: torch.fx.GraphModule, clear_ops: frozenset[str]) -> set[Node]:
+def alias_set(value: Node, gm: torch.fx.GraphModule) -> set[Node]:
     """Every node whose tensor may share memory with ``value``: its base and all views."""
     base = value
-    while base.op not in ("placeholder", "get_attr") and opkeys.is_view(base, clear_ops, gm):
+    while base.op not in ("placeholder", "get_attr") and opkeys.is_view(base, gm):
         parent = next((a for _, a in tensor_args(base)), None)
         if parent is None:
             break
@@ -348,15 +361,14 @@ def alias_set(value: Node, gm: torch.fx.GraphModule, clear_ops: frozenset[str]) 
     while stack:
         node = stack.pop()
         for user in node.users:
-            if user not in found and not is_cast(user) and opkeys.is_view(user, clear_ops, gm) \
+            if user not in found and not is_cast(user) and opkeys.is_view(user, gm) \
                     and next((resolve(a) for _, a in tensor_args(user)), None) is node:
                 found.add(user)
                 stack.append(user)
     return found
 
 
-def build_view(gm: torch.fx.GraphModule, rules: RuleSet, low: torch.dtype, *,
-               max_finite: float, keep_io_types: bool = True,
-               keep_fp32_modules: list[str] | None = None) -> FxView:
+def build_view(gm: torch.fx.GraphModule, low: torch.dtype, *, max_finite: float,
+               keep_io_types: bool = True, keep_fp32_modules: list[str] | None = None) -> FxView:
     """The PrecisionGraph of ``gm`` for target dtype ``low`` (float16 or bfloat16)."""
-    return _Builder(gm, rules, low, max_finite, keep_io_types, keep_fp32_modules or []).build()
+    return _Builder(gm, low, max_finite, keep_io_types, keep_fp32_modules or []).build()

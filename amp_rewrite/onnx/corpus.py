@@ -36,7 +36,9 @@ FLOAT_TYPES = frozenset(
     {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE}
 )
 LOW_TYPES = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
-_DTYPE_ALIASES = {"fp16": "float16", "float16": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}
+_DTYPE_ALIASES = {
+    "fp16": "float16", "float16": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +71,9 @@ def canonical_dtype(dtype: str) -> str:
     try:
         return _DTYPE_ALIASES[dtype]
     except KeyError:
-        raise UsageError(f"unknown low-precision dtype {dtype!r}; use float16 or bfloat16") from None
+        raise UsageError(
+            f"unknown low-precision dtype {dtype!r}; use float16 or bfloat16"
+        ) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,7 +278,9 @@ def _is_float(array: np.ndarray) -> bool:
     return array.dtype.kind == "f" or array.dtype.name == "bfloat16"
 
 
-def _compare_array(expected: np.ndarray, actual: Any, tol: Tolerance, check_dtype: bool) -> Comparison:
+def _compare_array(
+    expected: np.ndarray, actual: Any, tol: Tolerance, check_dtype: bool
+) -> Comparison:
     if not isinstance(actual, np.ndarray):
         return Comparison(False, f"got {type(actual).__name__}, expected an array", 0.0, 0.0)
     if actual.shape != expected.shape:
@@ -417,7 +423,9 @@ def build_corpus() -> Corpus:
             cases.append(outcome)
         else:
             excluded[tc.name] = outcome
-    logger.info("corpus: %d cases, %d float, %d in baseline", len(all_cases), float_cases, len(cases))
+    logger.info(
+        "corpus: %d cases, %d float, %d in baseline", len(all_cases), float_cases, len(cases)
+    )
     return Corpus(tuple(cases), len(all_cases), float_cases, excluded)
 
 
@@ -493,7 +501,9 @@ def evaluate(case: Case, converted: onnx.ModelProto, dtype: str) -> dict[str, An
     }
 
 
-def _convert_timed(convert: ConvertFn, model: onnx.ModelProto, dtype: str) -> tuple[onnx.ModelProto, float]:
+def _convert_timed(
+    convert: ConvertFn, model: onnx.ModelProto, dtype: str
+) -> tuple[onnx.ModelProto, float]:
     # A converter that runs in a worker process times itself there (peers.Peer.convert_timed),
     # so that shipping the model between processes is not billed to it.
     timed = getattr(convert, "convert_timed", None)

@@ -16,10 +16,11 @@ PROTOBUF_LIMIT = 2**31 - 1
 
 
 def load_model(source: str | os.PathLike | onnx.ModelProto) -> ir.Model:
-    """An onnx_ir model from a path (external data stays memory-mapped) or a ModelProto."""
+    """An onnx_ir model from a path (external data stays on disk, memory-mapped) or a
+    ModelProto (never mutated), with ONNX shape inference filled in where it was missing."""
     if isinstance(source, onnx.ModelProto):
         _check_input(source, "<ModelProto>")
-        return ir.from_proto(source)
+        return ir.from_proto(_with_inferred_shapes(source))
     path = Path(source)
     if not path.is_file():
         raise ModelError(f"{path}: no such file; pass the path of an .onnx model")
@@ -31,10 +32,22 @@ def load_model(source: str | os.PathLike | onnx.ModelProto) -> ir.Model:
     if not proto.graph.node and not proto.graph.input and not proto.graph.output:
         raise ModelError(f"{path}: not an ONNX model (no graph found); is it truncated?")
     _check_input(path if _has_external_data(proto) else proto, str(path))
+    model = ir.from_proto(_with_inferred_shapes(proto))
+    ir.external_data.set_base_dir(model.graph, path.parent)
+    return model
+
+
+def _with_inferred_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """Cast costs are bytes, so values need shapes. Inference reads only initializer dims,
+    never external data, and runs only when some node output has no recorded type."""
+    known = {v.name for v in (*proto.graph.value_info, *proto.graph.output, *proto.graph.input)}
+    if all(o in known for n in proto.graph.node for o in n.output if o):
+        return proto
     try:
-        return ir.load(path)
-    except Exception as e:
-        raise ModelError(f"{path}: onnx_ir could not load the model ({_first_line(e)})") from e
+        return onnx.shape_inference.infer_shapes(proto)
+    except Exception as e:  # a partial answer is still better than none: keep going
+        logger.info("shape inference failed (%s); sizes of some values unknown", _first_line(e))
+        return proto
 
 
 def _has_external_data(proto: onnx.ModelProto) -> bool:
@@ -76,17 +89,30 @@ def needs_external_data(model: ir.Model, had_external: bool) -> bool:
 
 
 def save_model(model: ir.Model, output: str | os.PathLike, *, external_data: bool) -> Path:
-    """Write ``model`` atomically: temp files in the target directory, then rename."""
+    """Write ``model`` atomically: temp files in the target directory, then rename.
+
+    A model with external data is checked by path before the rename (in memory it may be too
+    large for protobuf), so an invalid model never lands at ``output``.
+    """
     out = Path(output)
     data_name = out.name + ".data" if external_data else None
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=".amp_rewrite_") as tmp:
         tmp_model = Path(tmp) / out.name
         ir.save(model, tmp_model, external_data=data_name)
         if data_name:
+            _check_saved(tmp_model)
             os.replace(Path(tmp) / data_name, out.parent / data_name)
         os.replace(tmp_model, out)
     logger.info("wrote %s%s", out, f" (+ {data_name})" if data_name else "")
     return out
+
+
+def _check_saved(path: Path) -> None:
+    try:
+        onnx.checker.check_model(str(path), full_check=True)
+    except Exception as e:
+        raise ModelError(f"internal error: the rewritten model fails the ONNX checker: "
+                         f"{_first_line(e)}") from e
 
 
 def input_had_external_data(model: ir.Model) -> bool:

@@ -10,7 +10,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import onnx_ir as ir
-from onnx_ir.passes.common import ShapeInferencePass
 
 from amp_rewrite.core import LowDtype, PrecisionPlan, RuleSet, load_rules, plan_precision
 from amp_rewrite.core.report import node_records, precision_counts, unlisted_ops
@@ -90,13 +89,15 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
 
 
 def infer_missing_types(model: ir.Model) -> None:
-    """ONNX shape inference, only when some node output has no type (exporters usually
-    record them all, and inference on a 50k-node model costs seconds)."""
+    """Dtypes for node outputs that still have none after loading (load_model already ran
+    ONNX shape inference): a dtype-only propagation through the op schemas."""
+    from amp_rewrite.onnx.ports import infer_output_dtypes, node_opset
     from amp_rewrite.onnx.view import walk_graphs
 
-    if any(v.type is None for g in walk_graphs(model.graph) for n in g for v in n.outputs
-           if v.name):
-        ShapeInferencePass(strict_mode=False)(model)
+    opsets = dict(model.opset_imports)
+    for g in walk_graphs(model.graph):
+        for n in g:
+            infer_output_dtypes(n, node_opset(n, opsets))
 
 
 def node_names(model: ir.Model) -> Sequence[str]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import importlib
 import inspect
 import json
@@ -36,12 +37,13 @@ from pathlib import Path
 import onnx
 
 from amp_rewrite.errors import AmpRewriteError, UsageError
+from amp_rewrite.onnx.corpus import canonical_dtype
 
 logger = logging.getLogger(__name__)
 
 ConvertFn = Callable[[onnx.ModelProto, str], onnx.ModelProto]
 REPO_ROOT = Path(__file__).resolve().parents[2]
-_DTYPE_ALIASES = {"fp16": "float16", "float16": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}
+WORKER_TIMEOUT = 600.0  # seconds per conversion in a worker, so a hung peer cannot stall a run
 
 
 class PeerUnavailableError(AmpRewriteError):
@@ -137,8 +139,12 @@ def _serve(body: ConvertFn, requires: tuple[str, ...]) -> None:
 
 
 def _worker_source(body: ConvertFn, requires: tuple[str, ...]) -> str:
-    parts = ["from __future__ import annotations", inspect.getsource(_serve), inspect.getsource(body)]
-    parts.append(f"_serve({body.__name__}, {requires!r})")
+    parts = [
+        "from __future__ import annotations",
+        inspect.getsource(_serve),
+        inspect.getsource(body),
+        f"_serve({body.__name__}, {requires!r})",
+    ]
     return "\n\n".join(parts)
 
 
@@ -167,7 +173,8 @@ class Worker:
         ready = self._read_reply(timeout)
         if not ready.get("ready"):
             self.close()
-            raise PeerUnavailableError(f"{self.python}: {ready.get('error', 'worker did not start')}")
+            reason = ready.get("error", "worker did not start")
+            raise PeerUnavailableError(f"{self.python}: {reason}")
 
     def _read_reply(self, timeout: float | None) -> dict:
         assert self._proc is not None and self._proc.stdout is not None
@@ -245,6 +252,7 @@ def _this_python() -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=1)
 def _modelopt_python() -> str | None:
     """None (run in-process) if modelopt imports here, else the interpreter that has it."""
     try:
@@ -277,18 +285,21 @@ class Peer:
         dtype = self.check_dtype(dtype)
         python = self.interpreter()
         if python is not None:
-            return _shared_worker(python, self.body, self.requires).convert_timed(model, dtype)
+            worker = _shared_worker(python, self.body, self.requires)
+            return worker.convert_timed(model, dtype, WORKER_TIMEOUT)
         start = time.perf_counter()
         converted = self.body(model, dtype)
         return converted, time.perf_counter() - start
 
     def supports(self, dtype: str) -> bool:
-        return _DTYPE_ALIASES.get(dtype) in self.dtypes
+        return canonical_dtype(dtype) in self.dtypes
 
     def check_dtype(self, dtype: str) -> str:
+        """The canonical dtype name; UsageError if this converter cannot produce it."""
         if not self.supports(dtype):
-            raise UsageError(f"{self.name} does not convert to {dtype} (only {sorted(self.dtypes)})")
-        return _DTYPE_ALIASES[dtype]
+            only = sorted(self.dtypes)
+            raise UsageError(f"{self.name} does not convert to {dtype} (only {only})")
+        return canonical_dtype(dtype)
 
     def worker(self) -> Worker:
         """A private worker process (for timing with a timeout), even for in-process peers."""
@@ -340,10 +351,12 @@ class _AmpRewrite(Peer):
     def _import_error(self) -> str | None:
         try:
             import amp_rewrite
+
+            amp_rewrite.rewrite_onnx  # noqa: B018 - the package loads its API lazily
         except ImportError as e:
-            return f"cannot import amp_rewrite: {e}"
-        if not hasattr(amp_rewrite, "rewrite_onnx"):
-            return "amp_rewrite.rewrite_onnx does not exist yet (the ONNX entry point has not landed)"
+            return f"cannot import amp_rewrite's ONNX API: {e}"
+        except AttributeError:
+            return "amp_rewrite.rewrite_onnx does not exist yet (the ONNX API has not landed)"
         return None
 
 

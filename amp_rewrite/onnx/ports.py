@@ -166,3 +166,56 @@ def _fixed_reason(node, tvar: str, constraints, high_policy, ins, low: LowDtype)
 
 def to_ir_dtype(low: LowDtype) -> ir.DataType:
     return ir.DataType.FLOAT16 if low is LowDtype.FLOAT16 else ir.DataType.BFLOAT16
+
+
+def infer_output_dtypes(node: ir.Node, opset: int) -> bool:
+    """Give untyped outputs the dtype their schema ties to a typed input (or attribute).
+
+    A cheap, dtype-only stand-in for ONNX shape inference, which serialises the whole model
+    (weights included) and costs seconds and gigabytes on large models. Returns False when an
+    output stays unknown.
+    """
+    untyped = [(i, v) for i, v in enumerate(node.outputs) if v.name and v.type is None]
+    if not untyped:
+        return True
+    schema = _schema(node.domain, node.op_type, opset)
+    if schema is None:
+        return False
+    bound = _bound_input_dtypes(node, schema)
+    done = True
+    for i, value in untyped:
+        param = schema.outputs[min(i, len(schema.outputs) - 1)]
+        dtype = bound.get(param.type_str) or _concrete(param.type_str) or _from_attribute(node)
+        if dtype is None:
+            done = False
+        else:
+            value.dtype = dtype
+    return done
+
+
+def _bound_input_dtypes(node: ir.Node, schema) -> dict[str, ir.DataType]:
+    bound = {}
+    for i, value in enumerate(node.inputs):
+        if value is not None and isinstance(value.type, ir.TensorType) and schema.inputs:
+            bound.setdefault(schema.inputs[min(i, len(schema.inputs) - 1)].type_str, value.dtype)
+    return bound
+
+
+def _concrete(type_str: str) -> ir.DataType | None:
+    if type_str.startswith("tensor(") and type_str.endswith(")"):
+        name = type_str[7:-1].upper()
+        return {"FLOAT": ir.DataType.FLOAT, "INT64": ir.DataType.INT64,
+                "BOOL": ir.DataType.BOOL, "INT32": ir.DataType.INT32}.get(name)
+    return None
+
+
+def _from_attribute(node: ir.Node) -> ir.DataType | None:
+    name = RETYPE_ATTRIBUTE.get(node.op_type) or ("value" if node.op_type == "Constant" else None)
+    attr = node.attributes.get(name) if name else None
+    if attr is None:
+        # ConstantOfShape and RandomNormal/Uniform default to float32
+        return ir.DataType.FLOAT if node.op_type in (
+            "ConstantOfShape", "RandomNormal", "RandomUniform") else None
+    if attr.type == ir.AttributeType.TENSOR:
+        return attr.value.dtype
+    return ir.DataType(attr.value) if attr.type == ir.AttributeType.INT else None

@@ -1,0 +1,40 @@
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+
+from amp_rewrite.fx.view import is_cast
+
+
+@functools.cache
+def _captured(name: str):
+    from amp_rewrite import zoo
+    from amp_rewrite.fx.capture import capture
+
+    model = zoo.build(name)
+    return model, capture(model.module, model.args, model.kwargs)
+
+
+@pytest.fixture(scope="session")
+def zoo_capture():
+    """``zoo_capture(name) -> (ZooModel, fresh copy of its captured GraphModule)``, cached."""
+    def get(name: str):
+        model, gm = _captured(name)
+        return model, copy.deepcopy(gm)
+    return get
+
+
+def casts(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The casts amp_rewrite inserted."""
+    return [n for n in gm.graph.nodes if is_cast(n)]
+
+
+def node(gm: torch.fx.GraphModule, name: str) -> torch.fx.Node:
+    return next(n for n in gm.graph.nodes if n.name == name)
+
+
+def out_dtype(n: torch.fx.Node) -> torch.dtype:
+    return n.meta["val"].dtype
