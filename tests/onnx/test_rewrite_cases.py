@@ -273,3 +273,18 @@ def test_bf16_conv_not_admitted_at_opset_18(rng, dtype):
     assert conv["precision"] == ("low" if dtype == "fp16" else "high")
     if dtype == "bf16":
         assert "does not admit bfloat16" in conv["reason"]
+
+
+def test_untyped_values_get_dtypes_from_schemas(rng):
+    """The pass on an IR model whose intermediate values carry no type (as when shape
+    inference is skipped for a large model): dtypes propagate through the schemas."""
+    from amp_rewrite.onnx.passes import MixedPrecisionPass, OnnxOptions
+
+    fp32 = with_weights(parse(MLP), rng)
+    model = ir.from_proto(fp32)
+    assert model.graph.node(0).outputs[0].type is None
+    result = MixedPrecisionPass(OnnxOptions())(model)
+    assert result.modified
+    mixed = ir.to_proto(model)
+    onnx.checker.check_model(mixed, full_check=True)
+    assert ops(mixed) == ["Cast", "MatMul", "Relu", "MatMul", "Cast"]
