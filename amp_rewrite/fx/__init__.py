@@ -28,7 +28,7 @@ __all__ = ["explain", "rewrite", "rewrite_graph"]
 log = logging.getLogger(__name__)
 
 _TORCH_DTYPES = {LowDtype.FLOAT16: torch.float16, LowDtype.BFLOAT16: torch.bfloat16}
-PASS_KEY = "amp_rewrite"  # gm.meta key holding the MixedPrecisionPass, for explain()
+EXPLAIN_KEY = "amp_rewrite_explain"  # gm.meta key: node name -> reasons, for explain()
 
 
 def rewrite(model: torch.nn.Module, example_inputs: Any = None, *,
@@ -72,7 +72,7 @@ def rewrite_graph(gm: torch.fx.GraphModule, *, dtype: torch.dtype | str = torch.
         FunctionalizeInPlace()(gm)
         amp = MixedPrecisionPass(options)
         amp(gm)
-    gm.meta[PASS_KEY] = amp
+    gm.meta[EXPLAIN_KEY] = amp.explanations()
     gm.amp_report = {**amp.report(), "seconds": round(time.perf_counter() - start, 4)}
     for note in gm.amp_report["notes"]:
         log.warning("%s", note)
@@ -93,10 +93,10 @@ def _gc_paused() -> Iterator[None]:
 
 def explain(gm: torch.fx.GraphModule, node_name: str) -> list[str]:
     """Print and return why node ``node_name`` of a rewritten module runs low or high."""
-    amp = gm.meta.get(PASS_KEY) if hasattr(gm, "meta") else None
-    if amp is None:
+    explanations = getattr(gm, "meta", {}).get(EXPLAIN_KEY)
+    if explanations is None:
         raise UsageError("this GraphModule was not produced by amp_rewrite.rewrite")
-    lines = amp.explain(node_name)
+    lines = explanations.get(node_name)
     if not lines:
         raise UsageError(f"no node named {node_name!r} with floating-point ports in this graph")
     print("\n".join(lines))

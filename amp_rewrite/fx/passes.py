@@ -14,7 +14,7 @@ a second run of the chain on its own output changes nothing.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +23,8 @@ from torch import nn
 from torch.fx import Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-from amp_rewrite.core import Precision, PrecisionPlan, RuleSet, explain_chain, plan_precision
+from amp_rewrite.core import (Precision, PrecisionPlan, RuleSet, constraints, explain_chain,
+                              plan_precision)
 from amp_rewrite.core.report import node_records, precision_counts, unlisted_ops
 from amp_rewrite.fx import opkeys
 from amp_rewrite.fx.apply import ApplyResult, apply_plan, check_applied, retype_values
@@ -173,30 +174,46 @@ class MixedPrecisionPass(PassBase):
         self.applied: ApplyResult | None = None
 
     def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
-        opts = self.options
-        self.view = build_view(graph_module, opts.low, max_finite=opts.max_finite,
-                               keep_io_types=opts.keep_io_types,
-                               keep_fp32_modules=list(opts.keep_fp32))
-        self.plan = self._plan(self.view)
+        self.view, self.plan = self._plan(graph_module)
         self.applied = apply_plan(graph_module, self.view, self.plan)
         retype_values(graph_module, self.view, self.plan)
         return PassResult(graph_module, self.applied.modified)
 
-    def _plan(self, view: FxView) -> PrecisionPlan:
-        """Plan; the model's own fp32 conversions go low only when every reader runs low.
+    def _plan(self, gm: torch.fx.GraphModule) -> tuple[FxView, PrecisionPlan]:
+        """View and plan; the model's own fp32 conversions go low only if all readers do.
 
-        A conversion planned low with a high reader is pinned high and the plan redone: the
-        model asked for fp32 there (Llama's RMSNorm upcast, a residual stream), and only
-        readers that all run low make that request moot.
+        A conversion planned low with a high reader is kept fp32, as a deny source, and the
+        plan redone: the model asked for fp32 there (Llama's RMSNorm upcast, which also
+        carries the residual stream), and only readers that all run low make that moot.
         """
-        opts, pins = self.options, {}
+        opts, kept = self.options, {}
         while True:
-            plan = plan_precision(view.graph, opts.rules, keep_fp32=opts.keep_fp32, pins=pins)
-            new = {key: why for key, why in _conversions_with_high_readers(view, plan).items()
-                   if key not in pins}
+            view = self._view(gm, kept)
+            plan = plan_precision(view.graph, opts.rules, keep_fp32=opts.keep_fp32)
+            new = _conversions_with_high_readers(view, plan)
             if not new:
-                return plan
-            pins.update(new)
+                return view, plan
+            kept.update(new)
+
+    def _view(self, gm: torch.fx.GraphModule, kept: dict[Node, str]) -> FxView:
+        """The view, with the free type promotion of ops that certainly run fp32 taken out.
+
+        The core's cost model charges every cast, but ``add(x_fp16, y_fp32)`` upcasts inside
+        the kernel. Where the constraints alone fix a promoting op high and one of its inputs
+        is certainly fp32, its other inputs cost nothing whatever their precision, so they
+        are left out of its ports (the min-cut then places them freely).
+        """
+        opts = self.options
+
+        def build(promoted: dict) -> FxView:
+            return build_view(gm, opts.low, max_finite=opts.max_finite,
+                              keep_io_types=opts.keep_io_types,
+                              keep_fp32_modules=list(opts.keep_fp32), kept_conversions=kept,
+                              promoted=promoted)
+
+        view = build({})
+        promoted = _certain_promotions(view, _certainly_high(view, opts))
+        return build(promoted) if promoted else view
 
     def ensures(self, graph_module: torch.fx.GraphModule) -> None:
         if self.view is not None and self.plan is not None:
@@ -218,7 +235,9 @@ class MixedPrecisionPass(PassBase):
             "casts_inserted": applied.casts_inserted,
             "cast_bytes_planned": self.plan.cast_units,
             "casts_planned": len(self.plan.casts),
-            "upcasts_by_promotion": applied.upcasts_by_promotion,
+            "upcasts_by_promotion": applied.upcasts_by_promotion + sum(
+                self.plan.precision(self.view.values[p.value]) is Precision.LOW
+                for p in self.view.promoted_reads),
             "precision_counts": precision_counts(records),
             "nodes_retyped": applied.conversions_retyped,
             "unlisted_ops": unlisted,
@@ -226,13 +245,19 @@ class MixedPrecisionPass(PassBase):
             "modified": applied.modified,
         }
 
-    def explain(self, node_name: str) -> list[str]:
-        """The reasons behind the precision of every port group of node ``node_name``."""
-        keys = [g.key for g in self.view.graph.groups() if g.name == node_name]
-        return [line for k in keys for line in explain_chain(self.plan, self.view.graph, k)]
+    def explanations(self) -> dict[str, list[str]]:
+        """Node name → the reasons behind the precision of each of its port groups.
+
+        Plain strings, so the rewritten module stays cheap to deepcopy and pickle.
+        """
+        out: dict[str, list[str]] = {}
+        for info in self.view.graph.groups():
+            out.setdefault(info.name, []).extend(
+                explain_chain(self.plan, self.view.graph, info.key))
+        return out
 
 
-def _conversions_with_high_readers(view: FxView, plan: PrecisionPlan) -> dict:
+def _conversions_with_high_readers(view: FxView, plan: PrecisionPlan) -> dict[Node, str]:
     """Free conversion outputs planned low although one of their readers runs high."""
     graph, found = view.graph, {}
     for info in graph.groups():
@@ -242,6 +267,30 @@ def _conversions_with_high_readers(view: FxView, plan: PrecisionPlan) -> dict:
             continue
         readers = [c for v in graph.outputs(info.key) for c in graph.consumers(v)]
         if any(plan.precision(c) is Precision.HIGH for c in readers):
-            found[info.key] = (f"{info.op_key}: the model's own conversion to float32 is kept "
-                               "because a reader runs high")
+            found[info.node] = (f"{info.op_key}: the model's own conversion to float32 is "
+                                "kept because a reader runs high")
+    return found
+
+
+def _certainly_high(view: FxView, opts: MixedPrecisionOptions) -> dict[Hashable, str]:
+    """Groups the constraints alone fix high (before any min-cut), with the reason."""
+    graph, rules = view.graph, opts.rules
+    classes = constraints.classify_groups(graph, rules)
+    fixes = constraints.rule_fixes(graph, rules, classes, opts.keep_fp32)
+    fixes.update(constraints.deny_propagation(graph, classes, fixes))
+    return {k: f.reason for k, f in fixes.items() if f.precision is Precision.HIGH}
+
+
+def _certain_promotions(view: FxView, high: dict[Hashable, str]
+                        ) -> dict[Node, tuple[frozenset[Node], str]]:
+    """Promoting ops fixed high with an input certainly fp32 (ndim > 0, so it promotes)."""
+    found = {}
+    for info in view.graph.groups():
+        if info.key not in high or info.tvar != "T" or info.op_key not in opkeys.PROMOTING:
+            continue
+        values = {p.value for p in view.ports[info.key]}
+        anchors = frozenset(v for v in values if view.values[v] in high
+                            and v.meta["val"].dim() > 0)
+        if anchors and anchors != values:
+            found[info.node] = (anchors, high[info.key])
     return found

@@ -22,7 +22,7 @@ from __future__ import annotations
 import fnmatch
 import math
 import operator
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -78,7 +78,7 @@ class FxView:
     low: torch.dtype
     ports: dict[Hashable, list[Port]]  # group key -> its floating input ports
     values: dict[Node, Hashable]  # value node -> its producer (group or source key)
-    notes: list[str] = field(default_factory=list)
+    promoted_reads: list[Port] = field(default_factory=list)  # left to type promotion
 
     def dtype(self, precision: Precision) -> torch.dtype:
         return self.low if precision is Precision.LOW else torch.float32
@@ -153,8 +153,13 @@ class _Builder:
     """Builds an FxView; one instance per view, steps as methods."""
 
     def __init__(self, gm: torch.fx.GraphModule, low: torch.dtype, max_finite: float,
-                 keep_io_types: bool, keep_fp32_modules: list[str]) -> None:
+                 keep_io_types: bool, keep_fp32_modules: list[str],
+                 kept_conversions: Mapping[Node, str],
+                 promoted: Mapping[Node, tuple[frozenset[Node], str]]) -> None:
         self.gm, self.low = gm, low
+        self.kept_conversions = kept_conversions
+        self.promoted = promoted
+        self.promoted_reads: list[Port] = []
         self.max_finite = max_finite
         self.keep_io_types = keep_io_types
         self.module_patterns = keep_fp32_modules
@@ -162,7 +167,6 @@ class _Builder:
         self.values: dict[Node, Hashable] = {}
         self.specs: list[_GroupSpec] = []
         self.params = {id(p) for p in gm.parameters()}
-        self.notes: list[str] = []
 
     # -- values ----------------------------------------------------------------------
     def precision_of(self, node: Node) -> Precision | None:
@@ -203,6 +207,13 @@ class _Builder:
         if key in _BATCH_NORMS and len(ports) > 1:
             return self._batch_norm(node, key, ports, outputs)
         spec = _GroupSpec(node, "T", key, ports, outputs)
+        if node in self.promoted:
+            # Fixed fp32 with an fp32 input that promotes: the other inputs are read in
+            # whatever precision they come, at no cost, so they are not ports of the group.
+            anchors, reason = self.promoted[node]
+            spec.ports = [p for p in ports if p.value in anchors]
+            self.promoted_reads.extend(p for p in ports if p.value not in anchors)
+            spec.fix(Precision.HIGH, f"{reason}; reads its other inputs by type promotion")
         self._fix_special(spec)
         return [spec]
 
@@ -213,7 +224,12 @@ class _Builder:
             specs.append(_GroupSpec(node, "in", key, ports, op_class=OpClass.CLEAR))
         if outputs:
             out = _GroupSpec(node, "out", key, outputs=outputs, op_class=OpClass.CLEAR)
-            if not (key in opkeys.RETYPABLE and dtype == torch.float32):
+            if node in self.kept_conversions:
+                # The model computed this in fp32 on purpose and a reader needs it so: a deny
+                # source, so that gray math after it (a residual add) stays fp32 too.
+                out.fix(Precision.HIGH, self.kept_conversions[node])
+                out.op_class = OpClass.DENY
+            elif not (key in opkeys.RETYPABLE and dtype == torch.float32):
                 out.fix(self.precisions[dtype],
                         f"{key}: the model's own dtype argument {dtype} is kept")
             specs.append(out)
@@ -304,7 +320,7 @@ class _Builder:
             for v in spec.outputs:
                 self.values[v] = spec.key
         self._add_sinks(graph, ports)
-        return FxView(graph, self.low, ports, self.values, self.notes)
+        return FxView(graph, self.low, ports, self.values, self.promoted_reads)
 
     def _is_tuple_getitem(self, node: Node) -> bool:
         source = node.args[0]
@@ -369,6 +385,15 @@ def alias_set(value: Node, gm: torch.fx.GraphModule) -> set[Node]:
 
 
 def build_view(gm: torch.fx.GraphModule, low: torch.dtype, *, max_finite: float,
-               keep_io_types: bool = True, keep_fp32_modules: list[str] | None = None) -> FxView:
-    """The PrecisionGraph of ``gm`` for target dtype ``low`` (float16 or bfloat16)."""
-    return _Builder(gm, low, max_finite, keep_io_types, keep_fp32_modules or []).build()
+               keep_io_types: bool = True, keep_fp32_modules: list[str] | None = None,
+               kept_conversions: Mapping[Node, str] | None = None,
+               promoted: Mapping[Node, tuple[frozenset[Node], str]] | None = None) -> FxView:
+    """The PrecisionGraph of ``gm`` for target dtype ``low`` (float16 or bfloat16).
+
+    ``kept_conversions``: the model's own fp32 conversions to keep fp32 (node → reason);
+    other fp32 conversions and factories are free, and retyped low when planned low.
+    ``promoted``: promoting ops that certainly run fp32 (node → (their certainly-fp32
+    inputs with ndim > 0, why)): only those inputs are ports, the rest are promoted for free.
+    """
+    return _Builder(gm, low, max_finite, keep_io_types, keep_fp32_modules or [],
+                    kept_conversions or {}, promoted or {}).build()

@@ -182,9 +182,13 @@ def infer_output_dtypes(node: ir.Node, opset: int) -> bool:
     if schema is None:
         return False
     bound = _bound_input_dtypes(node, schema)
+    allowed = {tc.type_param_str: tc.allowed_type_strs for tc in schema.type_constraints}
     done = True
     for i, value in untyped:
         param = schema.outputs[min(i, len(schema.outputs) - 1)]
+        if any(not t.startswith("tensor(") for t in allowed.get(param.type_str, ())):
+            done = False  # may be a sequence or optional: leave it to shape inference
+            continue
         dtype = bound.get(param.type_str) or _concrete(param.type_str) or _from_attribute(node)
         if dtype is None:
             done = False
