@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="inputs for a FP32 run; values beyond --threshold stay fp32")
     p.add_argument("--threshold", type=float, help="calibration magnitude limit (default 4096 "
                    "for fp16)")
+    p.add_argument("--savings-weight", type=float, default=0.0, metavar="BETA",
+                   help="price of a byte of traffic saved vs a byte cast: 0 (default) gives "
+                   "the fewest cast bytes; 1 also runs ops low whose savings pay their casts")
     p.add_argument("--validate", action="store_true",
                    help="compare FP32 and rewritten outputs in onnxruntime (exit 4 on failure)")
     p.add_argument("--tolerance", type=float, help="max relative output error for --validate")
@@ -94,7 +97,8 @@ def _rewrite(args) -> int:
         result = rewrite_onnx_model(args.model, dtype=args.dtype, keep_io_types=args.keep_io_types,
                                     rules=args.rules, keep_fp32=args.keep_fp32,
                                     calibration_data=args.calibrate,
-                                    calibration_threshold=args.threshold)
+                                    calibration_threshold=args.threshold,
+                                    savings_weight=args.savings_weight)
         validation = None
         if args.validate:
             stages.step("validate")

@@ -7,8 +7,8 @@ cast is shared by all consumers that need it, so its cost is paid once:
 * p LOW and some c ∈ C HIGH costs bytes(v): auxiliary node b, edges c→b (∞), b→p (bytes).
 
 Each free group that would save memory traffic in low precision gets an edge g→t whose capacity
-is its traffic; cast bytes are weighted by ``CAST_WEIGHT`` so traffic only breaks ties between
-placements with the same cast bytes. networkx returns the source side reachable in the residual
+is its traffic times (β·CAST_WEIGHT + 1), cast bytes being weighted by ``CAST_WEIGHT``: with the
+default β = 0 traffic only breaks ties between placements with the same cast bytes. networkx returns the source side reachable in the residual
 graph, the smallest HIGH set among all minimum cuts, so remaining ties go to LOW.
 
 Fixed groups are terminals, so the problem splits into independent free *regions*; a region
@@ -26,6 +26,7 @@ import networkx as nx
 
 from amp_rewrite.core.graph import PrecisionGraph
 from amp_rewrite.core.precision import Precision
+from amp_rewrite.errors import UsageError
 
 CAST_WEIGHT = 1 << 20  # one cast byte outweighs a MiB of saved traffic: casts first
 ENUMERATE_UP_TO = 4  # free groups; 2**4 labellings are cheaper than building a flow network
@@ -93,14 +94,21 @@ def traffic_units(graph: PrecisionGraph, group: Hashable) -> int:
     return sum(graph.cost_units(v) for v in (*graph.inputs(group), *graph.outputs(group)))
 
 
+def traffic_weight(savings_weight: float) -> int:
+    """Capacity per traffic byte: β cast-bytes' worth, plus one so ties still go low."""
+    if savings_weight < 0:
+        raise UsageError(f"savings weight must be >= 0, got {savings_weight}")
+    return round(savings_weight * CAST_WEIGHT) + 1
+
+
 # A region in canonical form: free groups are numbered 0..n-1 and fixed neighbours appear as
 # their Precision, so regions with the same structure (repeated layers) share one solution.
 Ref = int | Precision
 Term = tuple[int, Ref, tuple[Ref, ...]]  # (cast weight, producer, consumers) of one value
 
 
-def canonical(graph: PrecisionGraph, region: Region,
-              fixed: dict[Hashable, Precision]) -> tuple[tuple[Term, ...], tuple[int, ...]]:
+def canonical(graph: PrecisionGraph, region: Region, fixed: dict[Hashable, Precision],
+              per_traffic_byte: int = 1) -> tuple[tuple[Term, ...], tuple[int, ...]]:
     index = {g: i for i, g in enumerate(region.groups)}
 
     def ref(g: Hashable) -> Ref:
@@ -111,7 +119,7 @@ def canonical(graph: PrecisionGraph, region: Region,
                    tuple(map(ref, graph.consumers(v))))
                   for v in region.values
                   if graph.consumers(v) and graph.producer(v) is not None)
-    return terms, tuple(traffic_units(graph, g) for g in region.groups)
+    return terms, tuple(per_traffic_byte * traffic_units(graph, g) for g in region.groups)
 
 
 def solve_canonical(terms: tuple[Term, ...], traffic: tuple[int, ...]) -> tuple[Precision, ...]:
@@ -174,12 +182,19 @@ def _min_cut(terms, traffic) -> tuple[Precision, ...]:
     return tuple(Precision.HIGH if g in high_side else Precision.LOW for g in range(len(traffic)))
 
 
-def place(graph: PrecisionGraph, fixed: dict[Hashable, Precision]) -> dict[Hashable, Precision]:
-    """Optimal precision of every group: ``fixed`` plus the min-cut answer for the rest."""
+def place(graph: PrecisionGraph, fixed: dict[Hashable, Precision],
+          savings_weight: float = 0.0) -> dict[Hashable, Precision]:
+    """Optimal precision of every group: ``fixed`` plus the min-cut answer for the rest.
+
+    ``savings_weight`` (β) prices one byte of memory traffic saved by running an op low
+    against one byte cast: 0 (default) minimises cast bytes and uses traffic only to break
+    ties; 1 also runs an op low when the traffic it saves pays for its casts.
+    """
     labels = dict(fixed)
+    per_byte = traffic_weight(savings_weight)
     solved: dict[tuple, tuple[Precision, ...]] = {}
     for region in free_regions(graph, fixed):
-        key = canonical(graph, region, fixed)
+        key = canonical(graph, region, fixed, per_byte)
         if key not in solved:
             solved[key] = solve_canonical(*key)
         labels.update(zip(region.groups, solved[key]))

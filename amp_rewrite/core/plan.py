@@ -53,18 +53,19 @@ class PrecisionPlan:
 
 
 def plan_precision(graph: PrecisionGraph, rules: RuleSet, *, keep_fp32: Iterable[str] = (),
-                   pins: Mapping[Hashable, str] | None = None) -> PrecisionPlan:
+                   pins: Mapping[Hashable, str] | None = None,
+                   savings_weight: float = 0.0) -> PrecisionPlan:
     """Decide every group's precision and the minimal casts (see module docstring).
 
     ``keep_fp32``: fnmatch patterns on group names; ``pins``: group key → reason, both fixed
-    high (e.g. from calibration data).
+    high (e.g. from calibration data); ``savings_weight``: see ``placement.place``.
     """
     classes = constraints.classify_groups(graph, rules)
     fixes = constraints.rule_fixes(graph, rules, classes, keep_fp32)
     fixes.update({k: constraints.Fix(Precision.HIGH, why) for k, why in (pins or {}).items()})
     fixes.update(constraints.deny_propagation(graph, classes, fixes))
     fixed = {k: f.precision for k, f in fixes.items()}
-    labels = placement.place(graph, fixed)
+    labels = placement.place(graph, fixed, savings_weight)
     decisions = {g.key: _decision(g.key, labels[g.key], classes[g.key], fixes.get(g.key))
                  for g in graph.groups()}
     casts = plan_casts(graph, labels)

@@ -42,7 +42,7 @@ def rewrite_onnx_model(source: str | os.PathLike | onnx.ModelProto, *,
                        rules: Iterable[str | os.PathLike] = (), keep_fp32: Iterable[str] = (),
                        calibration_data: Mapping[str, np.ndarray] | str | os.PathLike | None = None,
                        calibration_threshold: float | None = None,
-                       check: bool = True) -> RewriteResult:
+                       savings_weight: float = 0.0, check: bool = True) -> RewriteResult:
     """Load, rewrite and check a model; returns the onnx_ir model and the report."""
     start = time.perf_counter()
     low = LowDtype.parse(dtype)
@@ -51,7 +51,7 @@ def rewrite_onnx_model(source: str | os.PathLike | onnx.ModelProto, *,
         had_external = io.input_had_external_data(model)
         pinned = _calibrate(source, model, low, calibration_data, calibration_threshold)
         options = OnnxOptions(low, keep_io_types, tuple(map(str, rules)), tuple(keep_fp32),
-                              pinned)
+                              pinned, savings_weight)
         pass_ = MixedPrecisionPass(options)
         pass_(model)
         report = pass_.report()

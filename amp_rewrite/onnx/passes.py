@@ -27,6 +27,7 @@ class OnnxOptions:
     keep_fp32: tuple[str, ...] = ()
     # value name -> observed max |x| from calibration, already above the threshold
     pinned_values: Mapping[str, float] = field(default_factory=dict)
+    savings_weight: float = 0.0  # β: see amp_rewrite.core.placement.place
 
 
 class MixedPrecisionPass(ir.passes.InPlacePass):
@@ -45,7 +46,8 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
         self.view = build_view(model, self.options.dtype,
                                keep_io_types=self.options.keep_io_types)
         self.plan = plan_precision(self.view.graph, self.rules,
-                                   keep_fp32=self.options.keep_fp32, pins=self._pins())
+                                   keep_fp32=self.options.keep_fp32, pins=self._pins(),
+                                   savings_weight=self.options.savings_weight)
         self.stats = apply_plan(model, self.view, self.plan)
         return ir.passes.PassResult(model, modified=self.stats.modified)
 

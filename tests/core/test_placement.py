@@ -195,3 +195,40 @@ def test_flow_and_enumeration_agree(monkeypatch, enumerate_up_to):
     plan = plan_precision(g, RULES)
     assert plan.cast_units == brute_force_cast_bytes(
         g, {k: d.precision for k, d in plan.decisions.items() if d.fixed})
+
+
+def test_savings_weight_runs_isolated_gray_op_low():
+    g = build({"tanh": "gray"}, [("x", "tanh")], inputs=["x"], outputs=["tanh"])
+    assert plan_precision(g, RULES).precision("tanh") is H  # no casts at all
+    plan = plan_precision(g, RULES, savings_weight=1.0)
+    assert plan.precision("tanh") is L and len(plan.casts) == 2  # its traffic pays the casts
+
+
+def brute_force_energy(g: PrecisionGraph, fixed: dict, beta: float) -> float:
+    """Exhaustive min of cast bytes + β·(traffic of groups left high), apart from the code."""
+    nxg = g.to_networkx()
+    free = [grp.key for grp in g.groups() if grp.key not in fixed]
+    traffic = {k: sum((g.value(v).nbytes or 1) for v in (*nxg.pred[k], *nxg.succ[k]))
+               for k in free if g.group(k).savings}
+    best = None
+    for bits in itertools.product((H, L), repeat=len(free)):
+        label = {**fixed, **dict(zip(free, bits))}
+        cost = beta * sum(t for k, t in traffic.items() if label[k] is H)
+        for v in g.values():
+            have = label[next(iter(nxg.pred[v.key]))]
+            cost += (v.nbytes or 1) * len({label[c] for c in nxg.succ[v.key]} - {have})
+        best = cost if best is None else min(best, cost)
+    return best
+
+
+@settings(max_examples=150, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(random_graphs())
+def test_savings_weight_plan_matches_brute_force(g):
+    plan = plan_precision(g, RULES, savings_weight=1.0)
+    fixed = {k: d.precision for k, d in plan.decisions.items() if d.fixed}
+    nxg = g.to_networkx()
+    high_traffic = sum(sum((g.value(v).nbytes or 1) for v in (*nxg.pred[k], *nxg.succ[k]))
+                       for k, d in plan.decisions.items()
+                       if not d.fixed and d.precision is H and g.group(k).savings)
+    assert plan.cast_units + high_traffic == brute_force_energy(g, fixed, 1.0)

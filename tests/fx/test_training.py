@@ -23,8 +23,8 @@ class DigitsNet(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.fc1, self.norm = nn.Linear(64, 128), nn.LayerNorm(128)
-        self.fc2, self.head = nn.Linear(128, 128), nn.Linear(128, 10)
+        self.fc1, self.norm = nn.Linear(64, 64), nn.LayerNorm(64)
+        self.fc2, self.head = nn.Linear(64, 64), nn.Linear(64, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = F.gelu(self.norm(self.fc1(x)))
