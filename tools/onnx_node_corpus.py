@@ -29,8 +29,6 @@ from tqdm import tqdm
 
 from amp_rewrite.onnx import corpus, peers
 
-log = logging.getLogger("onnx_node_corpus")
-
 COLUMNS = [  # (header, summary key, format)
     ("converter", "converter", "{}"),
     ("dtype", "dtype", "{}"),

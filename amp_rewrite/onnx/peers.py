@@ -170,6 +170,7 @@ class Worker:
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env,
                 cwd=self._tmp.name,
             )
+        logger.debug("started %s worker in %s", self.body.__name__, self.python)
         ready = self._read_reply(timeout)
         if not ready.get("ready"):
             self.close()
@@ -181,6 +182,7 @@ class Worker:
         with selectors.DefaultSelector() as sel:
             sel.register(self._proc.stdout, selectors.EVENT_READ)
             if not sel.select(timeout):
+                logger.warning("killing %s worker after %g s", self.body.__name__, timeout)
                 self.close()
                 raise ConverterTimeoutError(f"no answer from the worker within {timeout:g} s")
         line = self._proc.stdout.readline()

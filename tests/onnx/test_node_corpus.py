@@ -4,6 +4,10 @@ Every node test with a float32 tensor whose FP32 model onnxruntime reproduces is
 to fp16 and bf16; the result must pass the full checker and match the test's expected
 outputs (per-dtype tolerance) under onnxruntime and under the reference evaluator, which
 computes each op in its declared dtype. At least 99% of the cases must be valid.
+
+bf16: onnxruntime's CPU provider has no bf16 kernel for most ops (MatMul, Add, Mul, Sqrt, ...);
+a case it answers NOT_IMPLEMENTED says nothing about the conversion, so for bf16 the ORT check
+counts only the cases ORT can run, while the checker and the reference evaluator judge all.
 About a minute on 2 cores; tools/onnx_node_corpus.py runs the same with the peers.
 """
 from __future__ import annotations
@@ -41,12 +45,28 @@ def test_corpus_baseline_is_large(cases):
     assert sum(c.reference_runs for c in cases) > 0.95 * len(cases)
 
 
+def ort_lacks_kernel(result: dict) -> bool:
+    failure = result.get("failure") or ""
+    return failure.startswith("ort:") and "NOT_IMPLEMENTED" in failure
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_rewrite_onnx_node_corpus(dtype, cases, amp_rewrite_converter):
-    results = [corpus.run_converter(case, amp_rewrite_converter, dtype) for case in cases]
+def test_rewrite_onnx_node_corpus_fp16(cases, amp_rewrite_converter):
+    results = [corpus.run_converter(case, amp_rewrite_converter, "float16") for case in cases]
     summary = corpus.summarize(results)
-    print(_report(dtype, results))
-    assert summary["ort_valid"] >= MIN_VALID, _report(dtype, results)
-    assert summary["reference_valid"] >= MIN_VALID, _report(dtype, results)
-    assert summary["valid"] >= MIN_VALID, _report(dtype, results)
+    print(_report("float16", results))
+    assert summary["ort_valid"] >= MIN_VALID, _report("float16", results)
+    assert summary["reference_valid"] >= MIN_VALID, _report("float16", results)
+    assert summary["valid"] >= MIN_VALID, _report("float16", results)
+
+
+@pytest.mark.slow
+def test_rewrite_onnx_node_corpus_bf16(cases, amp_rewrite_converter):
+    results = [corpus.run_converter(case, amp_rewrite_converter, "bfloat16") for case in cases]
+    summary = corpus.summarize(results)
+    print(_report("bfloat16", results))
+    runnable = [r for r in results if not ort_lacks_kernel(r)]
+    assert len(runnable) > 0.5 * len(results)  # the exemption must not swallow the corpus
+    assert summary["checker_valid"] >= MIN_VALID, _report("bfloat16", results)
+    assert summary["reference_valid"] >= MIN_VALID, _report("bfloat16", results)
+    assert corpus.summarize(runnable)["valid"] >= MIN_VALID, _report("bfloat16", runnable)
