@@ -182,6 +182,23 @@ def _min_cut(terms, traffic) -> tuple[Precision, ...]:
     return tuple(Precision.HIGH if g in high_side else Precision.LOW for g in range(len(traffic)))
 
 
+def settled_sources(graph: PrecisionGraph,
+                    fixed: dict[Hashable, Precision]) -> dict[Hashable, Precision]:
+    """Free sources (initializers) whose readers are all fixed at one precision take it.
+
+    Exact without a flow: a source has no inputs and saves no traffic, so matching its readers
+    costs nothing and anything else costs a cast. Large models have one such source per weight.
+    """
+    settled = {}
+    for key, group in graph._groups.items():
+        if key in fixed or group.savings or graph._inputs[key]:
+            continue
+        wanted = {fixed.get(c) for v in graph._outputs[key] for c in graph._consumers[v]}
+        if len(wanted) == 1 and None not in wanted:
+            settled[key] = wanted.pop()
+    return settled
+
+
 def place(graph: PrecisionGraph, fixed: dict[Hashable, Precision],
           savings_weight: float = 0.0) -> dict[Hashable, Precision]:
     """Optimal precision of every group: ``fixed`` plus the min-cut answer for the rest.
@@ -191,9 +208,10 @@ def place(graph: PrecisionGraph, fixed: dict[Hashable, Precision],
     ties; 1 also runs an op low when the traffic it saves pays for its casts.
     """
     labels = dict(fixed)
+    labels.update(settled_sources(graph, fixed))
     per_byte = traffic_weight(savings_weight)
     solved: dict[tuple, tuple[Precision, ...]] = {}
-    for region in free_regions(graph, fixed):
+    for region in free_regions(graph, labels):
         key = canonical(graph, region, fixed, per_byte)
         if key not in solved:
             solved[key] = solve_canonical(*key)

@@ -6,6 +6,7 @@ other precision has exactly one CastPlan per target precision.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -66,17 +67,21 @@ def plan_precision(graph: PrecisionGraph, rules: RuleSet, *, keep_fp32: Iterable
     fixes.update(constraints.deny_propagation(graph, classes, fixes))
     fixed = {k: f.precision for k, f in fixes.items()}
     labels = placement.place(graph, fixed, savings_weight)
-    decisions = {g.key: _decision(g.key, labels[g.key], classes[g.key], fixes.get(g.key))
+    decisions = {g.key: _decision(labels[g.key], classes[g.key], fixes.get(g.key))
                  for g in graph.groups()}
     casts = plan_casts(graph, labels)
     units = sum(graph.cost_units(c.value) for c in casts)
     return PrecisionPlan(MappingProxyType(decisions), casts, units)
 
 
-def _decision(key: Hashable, precision: Precision, op_class: OpClass,
-              fix: constraints.Fix | None) -> Decision:
+def _decision(precision: Precision, op_class: OpClass, fix: constraints.Fix | None) -> Decision:
     if fix is not None:
         return Decision(precision, op_class, fix.reason, True, fix.cause)
+    return _free_decision(precision, op_class)
+
+
+@functools.cache
+def _free_decision(precision: Precision, op_class: OpClass) -> Decision:
     side = "low" if precision is Precision.LOW else "high"
     return Decision(precision, op_class,
                     f"{op_class.value}: runs {side} because that needs the fewest cast bytes "

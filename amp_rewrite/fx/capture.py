@@ -11,6 +11,7 @@ import copy
 import inspect
 import logging
 import re
+import types
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -88,7 +89,27 @@ def _export(module: torch.nn.Module, args: tuple, kwargs: dict,
                                       strict=False)
     except Exception as e:  # noqa: BLE001 - classified and re-raised with context below
         _raise_export_failure(module, args, kwargs, e)
-    return program.module()
+    gm = program.module()
+    _fix_mode(gm, module.training)
+    return gm
+
+
+def _fix_mode(gm: torch.fx.GraphModule, training: bool) -> None:
+    """An exported graph has dropout/batch-norm behaviour baked in: ``train()``/``eval()``
+    accept the captured mode (so training loops that call them keep working) and explain
+    the others (torch's own message only says it is not supported)."""
+    captured = "train" if training else "eval"
+
+    def set_mode(self: torch.fx.GraphModule, mode: bool = True) -> torch.fx.GraphModule:
+        if mode != training:
+            raise UsageError(
+                f"this graph was captured in {captured} mode and torch.export fixed dropout "
+                f"and batch norm to it; call module.{'train' if mode else 'eval'}() before "
+                "amp_rewrite.rewrite(module, ...) to get a graph for that mode")
+        return self
+
+    gm.train = types.MethodType(set_mode, gm)
+    gm.eval = types.MethodType(lambda self: set_mode(self, False), gm)
 
 
 def _raise_export_failure(module: torch.nn.Module, args: tuple, kwargs: dict,

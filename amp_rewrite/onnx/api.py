@@ -27,9 +27,16 @@ class RewriteResult:
     report: dict
     pass_: MixedPrecisionPass
     had_external_data: bool
+    _proto: onnx.ModelProto | None = None
 
     def explain(self, node_name: str) -> list[str]:
         return self.pass_.explain(node_name)
+
+    def proto(self) -> onnx.ModelProto:
+        """The rewritten model as a ModelProto (serialised once)."""
+        if self._proto is None:
+            self._proto = ir.to_proto(self.model)
+        return self._proto
 
 
 def default_threshold(dtype: LowDtype) -> float:
@@ -54,11 +61,11 @@ def rewrite_onnx_model(source: str | os.PathLike | onnx.ModelProto, *,
                               pinned, savings_weight)
         pass_ = MixedPrecisionPass(options)
         pass_(model)
-        report = pass_.report()
-    if check and report["modified"]:
-        _check_output(model)
-    report["seconds"] = round(time.perf_counter() - start, 3)
-    return RewriteResult(model, report, pass_, had_external)
+        result = RewriteResult(model, pass_.report(), pass_, had_external)
+        if check and result.report["modified"]:
+            _check_output(result)
+    result.report["seconds"] = round(time.perf_counter() - start, 3)
+    return result
 
 
 @contextlib.contextmanager
@@ -76,15 +83,17 @@ def gc_paused():
 
 def rewrite_onnx(model: str | os.PathLike | onnx.ModelProto, **options) -> onnx.ModelProto:
     """Rewrite an FP32 ONNX model to mixed precision; ``options`` as ``rewrite_onnx_model``."""
-    return ir.to_proto(rewrite_onnx_model(model, **options).model)
+    result = rewrite_onnx_model(model, **options)
+    with gc_paused():
+        return result.proto()
 
 
-def _check_output(model: ir.Model) -> None:
+def _check_output(result: RewriteResult) -> None:
     """The rewritten model must pass the full checker (type inference included)."""
-    if io.needs_external_data(model, io.input_had_external_data(model)):
-        return  # too large for an in-memory check; the CLI checks the saved file by path
+    if io.needs_external_data(result.model, result.had_external_data):
+        return  # too large for an in-memory check; save_model checks the file by path
     try:
-        onnx.checker.check_model(ir.to_proto(model), full_check=True)
+        onnx.checker.check_model(result.proto(), full_check=True)
     except Exception as e:
         raise ModelError(f"internal error: the rewritten model fails the ONNX checker: "
                          f"{str(e).strip().splitlines()[0]}") from e

@@ -115,13 +115,15 @@ def _convert(array: np.ndarray, target: ir.DataType) -> tuple[np.ndarray, int]:
     if target == ir.DataType.FLOAT:
         return np.asarray(array, np.float32), 0
     np_dtype = np.float16 if target == ir.DataType.FLOAT16 else ml_dtypes.bfloat16
-    limit = float(ml_dtypes.finfo(np_dtype).max)
     array = np.asarray(array)
+    with np.errstate(over="ignore"):
+        converted = array.astype(np_dtype)
+    if not np.isinf(converted).any():  # the common case: two passes over the data
+        return converted, 0
+    limit = float(ml_dtypes.finfo(np_dtype).max)
     over = np.isfinite(array) & (np.abs(array) > limit)
-    clamped = int(over.sum())
-    if clamped:
-        array = np.where(over, np.sign(array) * limit, array)
-    return array.astype(np_dtype), clamped
+    clamped = np.where(over, np.sign(array) * limit, array).astype(np_dtype)
+    return clamped, int(over.sum())
 
 
 def _convert_sources(view: OnnxView, plan: PrecisionPlan, low_ir, stats: ApplyStats) -> None:
@@ -142,7 +144,7 @@ def _constant_array(value: ir.Value, node: ir.Node | None) -> np.ndarray:
 def _convert_constant_in_place(value: ir.Value, node, low_ir, stats: ApplyStats) -> None:
     array, clamped = _convert(_constant_array(value, node), low_ir)
     _count_conversion(value, array, clamped, stats)
-    tensor = ir.tensor(array, name=value.name)
+    tensor = ir.Tensor(array, name=value.name)
     if node is not None:
         node.attributes["value"] = ir.AttrTensor("value", tensor)
     else:
@@ -181,7 +183,7 @@ def _constant_copy(source, target: ir.DataType, namer: _Namer, stats) -> ir.Valu
     suffix = "f32" if target == ir.DataType.FLOAT else ir.DataType(target).name.lower()
     name = namer(f"{value.name}_{suffix}")
     new = ir.Value(name=name, shape=value.shape, type=ir.TensorType(target),
-                   const_value=ir.tensor(array, name=name))
+                   const_value=ir.Tensor(array, name=name))
     g.register_initializer(new)
     return new
 

@@ -112,3 +112,17 @@ def test_export_capture_annotates_fake_values():
     gm = capture(_TwoInputs(), (torch.randn(2, 4), torch.randn(2, 3)))
     assert has_fake_values(gm)
     assert isinstance(gm, torch.fx.GraphModule)
+
+
+def test_train_and_eval_accept_the_captured_mode_and_explain_the_other():
+    module = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))
+    x = torch.randn(2, 4)
+    trained = amp_rewrite.rewrite(module.train(), (x,))
+    assert trained.train() is trained
+    with pytest.raises(UsageError, match="captured in train mode.*module.eval"):
+        trained.eval()
+    evaluated = amp_rewrite.rewrite(module.eval(), (x,))
+    assert evaluated.eval() is evaluated
+    assert torch.equal(evaluated(x), evaluated(x))  # no dropout in an eval-mode graph
+    with pytest.raises(UsageError, match="captured in eval mode"):
+        evaluated.train()

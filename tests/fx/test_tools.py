@@ -1,0 +1,50 @@
+"""The fx tools run end to end (small settings); their numbers are checked in other tests."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+_TOOLS = Path(__file__).resolve().parents[2] / "tools"
+
+
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, _TOOLS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_models_table_writes_a_row_per_model_and_dtype(tmp_path, capsys):
+    out = tmp_path / "table.json"
+    assert _load("fx_models_table").main(
+        ["--models", "resnet", "--dtypes", "fp16", "bf16", "--repeat", "1", "--out", str(out)]
+    ) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["model"], r["dtype"]) for r in rows] == [("resnet", "fp16"), ("resnet", "bf16")]
+    assert all(r["conversions"] <= r["autocast_conversions"] for r in rows)
+    assert "conv ours" in capsys.readouterr().out
+
+
+def test_gpu_benchmark_without_cuda_says_so_and_exits_0(capsys):
+    tool = _load("bench_gpu_training")
+    if tool.torch.cuda.is_available():
+        pytest.skip("CUDA present: the message is for machines without it")
+    assert tool.main([]) == 0
+    assert "needs a GPU" in capsys.readouterr().out
+
+
+def test_gpu_benchmark_code_runs_on_cpu_with_tiny_configs(tmp_path):
+    out = tmp_path / "bench.json"
+    tool = _load("bench_gpu_training")
+    assert tool.main(["--device", "cpu", "--tiny", "--no-compile", "--models", "bert",
+                      "--steps", "1", "--warmup", "1", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["fp32", "autocast", "amp_rewrite"]
+    assert all(r["step_ms"] > 0 for r in rows)
