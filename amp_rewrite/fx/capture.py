@@ -12,6 +12,7 @@ import inspect
 import logging
 import re
 import types
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -67,7 +68,7 @@ def capture(model: torch.nn.Module, example_inputs: Any,
         raise UsageError(f"expected a torch.nn.Module or GraphModule, got {type(model).__name__}")
     args, kwargs = normalize_inputs(example_inputs, example_kwargs)
     if isinstance(model, torch.fx.GraphModule):
-        gm = copy.deepcopy(model)
+        gm = _copy_graph_module(model)
         if not has_fake_values(gm):
             propagate_fake(gm, args, kwargs)
         return gm
@@ -80,6 +81,12 @@ def capture(model: torch.nn.Module, example_inputs: Any,
     if dynamic_shapes is not None:
         raise UsageError("dynamic_shapes needs capture='export'")
     return _symbolic_trace(module, args, kwargs)
+
+
+def _copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    with warnings.catch_warnings():  # torch deep-copies export's pytree specs with a
+        warnings.filterwarnings("ignore", ".*LeafSpec.*", FutureWarning)  # deprecated check
+        return copy.deepcopy(gm)
 
 
 def _export(module: torch.nn.Module, args: tuple, kwargs: dict,

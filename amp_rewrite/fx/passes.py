@@ -14,6 +14,7 @@ a second run of the chain on its own output changes nothing.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
@@ -28,7 +29,9 @@ from amp_rewrite.core import (Precision, PrecisionPlan, RuleSet, constraints, ex
 from amp_rewrite.core.report import node_records, precision_counts, unlisted_ops
 from amp_rewrite.fx import opkeys
 from amp_rewrite.fx.apply import ApplyResult, apply_plan, check_applied, retype_values
-from amp_rewrite.fx.view import FxView, alias_set, build_view, resolve
+from amp_rewrite.fx.view import FxView, alias_set, build_view, group_key, resolve
+
+log = logging.getLogger(__name__)
 
 # module type -> (function, arguments after the input: attribute names, "@param" for params)
 _INLINE: dict[type, tuple[Callable, tuple[str, ...]]] = {
@@ -186,34 +189,43 @@ class MixedPrecisionPass(PassBase):
         plan redone: the model asked for fp32 there (Llama's RMSNorm upcast, which also
         carries the residual stream), and only readers that all run low make that moot.
         """
-        opts, kept = self.options, {}
+        kept: dict[Node, str] = {}
         while True:
-            view = self._view(gm, kept)
-            plan = plan_precision(view.graph, opts.rules, keep_fp32=opts.keep_fp32)
+            view, plan = self._plan_once(gm, kept)
             new = _conversions_with_high_readers(view, plan)
             if not new:
                 return view, plan
             kept.update(new)
 
-    def _view(self, gm: torch.fx.GraphModule, kept: dict[Node, str]) -> FxView:
-        """The view, with the free type promotion of ops that certainly run fp32 taken out.
+    def _plan_once(self, gm: torch.fx.GraphModule,
+                   kept: dict[Node, str]) -> tuple[FxView, PrecisionPlan]:
+        """Plan, with the free type promotion of ops that certainly run fp32 taken out.
 
-        The core's cost model charges every cast, but ``add(x_fp16, y_fp32)`` upcasts inside
-        the kernel. Where the constraints alone fix a promoting op high and one of its inputs
-        is certainly fp32, its other inputs cost nothing whatever their precision, so they
-        are left out of its ports (the min-cut then places them freely).
+        The core charges every cast, but ``add(x_fp16, y_fp32)`` upcasts inside the kernel.
+        Where the constraints alone force a promoting op high and one of its inputs is
+        certainly fp32 with ndim > 0, reading its other inputs costs nothing whatever their
+        precision, so they are left out of its ports and the min-cut places them freely.
+        Those inputs come from groups the constraints leave free, so no deny path is cut,
+        and the constraints force the op high again; the plan is checked for that.
         """
         opts = self.options
 
-        def build(promoted: dict) -> FxView:
-            return build_view(gm, opts.low, max_finite=opts.max_finite,
+        def planned(promoted: dict[Node, frozenset[Node]]) -> tuple[FxView, PrecisionPlan]:
+            view = build_view(gm, opts.low, max_finite=opts.max_finite,
                               keep_io_types=opts.keep_io_types,
                               keep_fp32_modules=list(opts.keep_fp32), kept_conversions=kept,
                               promoted=promoted)
+            return view, plan_precision(view.graph, opts.rules, keep_fp32=opts.keep_fp32)
 
-        view = build({})
+        view, plan = planned({})
         promoted = _certain_promotions(view, _certainly_high(view, opts))
-        return build(promoted) if promoted else view
+        if promoted:
+            better = planned(promoted)
+            if all(better[1].precision(group_key(n)) is Precision.HIGH for n in promoted):
+                return better
+            log.warning("type promotion left out of the plan: %d promoting ops did not stay "
+                        "fp32 (please report)", len(promoted))
+        return view, plan
 
     def ensures(self, graph_module: torch.fx.GraphModule) -> None:
         if self.view is not None and self.plan is not None:
@@ -282,15 +294,15 @@ def _certainly_high(view: FxView, opts: MixedPrecisionOptions) -> dict[Hashable,
 
 
 def _certain_promotions(view: FxView, high: dict[Hashable, str]
-                        ) -> dict[Node, tuple[frozenset[Node], str]]:
-    """Promoting ops fixed high with an input certainly fp32 (ndim > 0, so it promotes)."""
+                        ) -> dict[Node, frozenset[Node]]:
+    """Promoting ops forced high → their inputs that are certainly fp32 (the ports to keep),
+    where one of those has ndim > 0 and so promotes the others."""
     found = {}
     for info in view.graph.groups():
         if info.key not in high or info.tvar != "T" or info.op_key not in opkeys.PROMOTING:
             continue
         values = {p.value for p in view.ports[info.key]}
-        anchors = frozenset(v for v in values if view.values[v] in high
-                            and v.meta["val"].dim() > 0)
-        if anchors and anchors != values:
-            found[info.node] = (anchors, high[info.key])
+        keep = frozenset(v for v in values if view.values[v] in high)
+        if keep != values and any(v.meta["val"].dim() > 0 for v in keep):
+            found[info.node] = keep
     return found

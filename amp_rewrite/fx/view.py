@@ -63,7 +63,7 @@ class _GroupSpec:
 
     @property
     def key(self) -> Hashable:
-        return ("g", self.node, self.tvar)
+        return group_key(self.node, self.tvar)
 
     def fix(self, precision: Precision, reason: str) -> None:
         if self.fixed is None:
@@ -85,6 +85,11 @@ class FxView:
 
 
 # ------------------------------------------------------------------------- small helpers
+
+
+def group_key(node: Node, tvar: str = "T") -> Hashable:
+    """The PrecisionGraph key of a node's port group ``tvar``."""
+    return ("g", node, tvar)
 
 
 def _dtype(node: Node) -> torch.dtype | None:
@@ -155,7 +160,7 @@ class _Builder:
     def __init__(self, gm: torch.fx.GraphModule, low: torch.dtype, max_finite: float,
                  keep_io_types: bool, keep_fp32_modules: list[str],
                  kept_conversions: Mapping[Node, str],
-                 promoted: Mapping[Node, tuple[frozenset[Node], str]]) -> None:
+                 promoted: Mapping[Node, frozenset[Node]]) -> None:
         self.gm, self.low = gm, low
         self.kept_conversions = kept_conversions
         self.promoted = promoted
@@ -208,12 +213,11 @@ class _Builder:
             return self._batch_norm(node, key, ports, outputs)
         spec = _GroupSpec(node, "T", key, ports, outputs)
         if node in self.promoted:
-            # Fixed fp32 with an fp32 input that promotes: the other inputs are read in
+            # Certainly fp32, with an fp32 input that promotes: its other inputs are read in
             # whatever precision they come, at no cost, so they are not ports of the group.
-            anchors, reason = self.promoted[node]
-            spec.ports = [p for p in ports if p.value in anchors]
-            self.promoted_reads.extend(p for p in ports if p.value not in anchors)
-            spec.fix(Precision.HIGH, f"{reason}; reads its other inputs by type promotion")
+            keep = self.promoted[node]
+            spec.ports = [p for p in ports if p.value in keep]
+            self.promoted_reads.extend(p for p in ports if p.value not in keep)
         self._fix_special(spec)
         return [spec]
 
@@ -387,13 +391,13 @@ def alias_set(value: Node, gm: torch.fx.GraphModule) -> set[Node]:
 def build_view(gm: torch.fx.GraphModule, low: torch.dtype, *, max_finite: float,
                keep_io_types: bool = True, keep_fp32_modules: list[str] | None = None,
                kept_conversions: Mapping[Node, str] | None = None,
-               promoted: Mapping[Node, tuple[frozenset[Node], str]] | None = None) -> FxView:
+               promoted: Mapping[Node, frozenset[Node]] | None = None) -> FxView:
     """The PrecisionGraph of ``gm`` for target dtype ``low`` (float16 or bfloat16).
 
     ``kept_conversions``: the model's own fp32 conversions to keep fp32 (node → reason);
     other fp32 conversions and factories are free, and retyped low when planned low.
-    ``promoted``: promoting ops that certainly run fp32 (node → (their certainly-fp32
-    inputs with ndim > 0, why)): only those inputs are ports, the rest are promoted for free.
+    ``promoted``: promoting ops that certainly run fp32 → their inputs that certainly are
+    fp32; only those stay ports, the others are read through type promotion for free.
     """
     return _Builder(gm, low, max_finite, keep_io_types, keep_fp32_modules or [],
                     kept_conversions or {}, promoted or {}).build()

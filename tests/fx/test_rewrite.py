@@ -257,6 +257,26 @@ def test_upcast_into_a_promoting_op_is_left_to_type_promotion():
     assert torch.equal(out, expected)  # promotion computes exactly what an upcast would
 
 
+def test_planned_upcast_into_a_free_promoting_op_is_left_to_type_promotion():
+    class Broadcast(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.ln = nn.Linear(8, 8), nn.LayerNorm(8)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return self.ln(y + self.fc(x))  # y [16, 8] fp32 input, fc(x) [1, 8] fp16
+
+    x, y = torch.randn(1, 8), torch.randn(16, 8)
+    gm = amp_rewrite.rewrite(Broadcast(), (x, y))
+    add = node(gm, "add")  # high: upcasting [1, 8] beats casting y and the sum, 128 elements
+    assert out_dtype(add) == torch.float32 and out_dtype(add.args[1]) == torch.float16
+    assert gm.amp_report["casts_planned"] == 4 and gm.amp_report["casts_inserted"] == 3
+    with torch.no_grad():
+        fc = F.linear(x.half(), gm.fc.weight.half(), gm.fc.bias.half())
+        assert torch.equal(gm(x, y), F.layer_norm(y + fc.float(), (8,), gm.ln.weight,
+                                                  gm.ln.bias))
+
+
 def test_model_conversion_to_fp32_is_retyped_only_when_every_reader_runs_low():
     class Upcasts(nn.Module):
         def __init__(self) -> None:
