@@ -30,8 +30,7 @@ INPLACE_OPERATORS = {operator.iadd: operator.add, operator.isub: operator.sub,
 
 # torch-level functions whose name is not their ATen name.
 _FUNCTION_ALIASES = {"cross_entropy": "cross_entropy_loss", "normalize": "norm",
-                     "softmin": "softmax", "binary_cross_entropy_with_logits":
-                     "binary_cross_entropy_with_logits", "concatenate": "cat"}
+                     "softmin": "softmax", "concatenate": "cat"}
 _CONVERSION_METHODS = {"float": torch.float32, "half": torch.float16,
                        "bfloat16": torch.bfloat16, "double": torch.float64}
 _INTERPOLATE_KEYS = {"nearest": "upsample_nearest{n}d", "nearest-exact":

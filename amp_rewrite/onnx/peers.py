@@ -88,7 +88,9 @@ def _modelopt_autocast_body(model: onnx.ModelProto, dtype: str) -> onnx.ModelPro
 def _amp_rewrite_body(model: onnx.ModelProto, dtype: str) -> onnx.ModelProto:
     import amp_rewrite
 
-    return amp_rewrite.rewrite_onnx(model, dtype=dtype, keep_io_types=True)
+    # The harness runs the full checker itself and no peer checks its own output, so the
+    # built-in check (about 0.8 s at 50k nodes) is left to the harness here.
+    return amp_rewrite.rewrite_onnx(model, dtype=dtype, keep_io_types=True, check=False)
 
 
 # ------------------------------------------------------------------ worker processes

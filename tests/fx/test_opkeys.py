@@ -1,6 +1,9 @@
 """Op keys: ATen, custom and higher-order ops, and symbolic_trace modules/functions/methods."""
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
@@ -70,9 +73,8 @@ def test_custom_and_higher_order_ops_are_namespaced():
 
 def test_every_autocast_cuda_list_op_has_a_class():
     """AT_FORALL_LOWER_PRECISION_FP → allow, AT_FORALL_FP32(+SET_OPT_DTYPE) → deny, promote → gray."""
-    header = torch.utils.cmake_prefix_path.replace("share/cmake", "include") + \
-        "/ATen/autocast_mode.h"
-    lists = _autocast_lists(open(header).read())
+    header = Path(torch.__file__).parent / "include" / "ATen" / "autocast_mode.h"
+    lists = _autocast_lists(header.read_text())
     rules = load_rules("torch", env={})
     for list_name, expected in (("LOWER_PRECISION_FP", "allow"), ("FP32", "deny"),
                                 ("FP32_SET_OPT_DTYPE", "deny"), ("PROMOTE", "gray")):
@@ -83,8 +85,6 @@ def test_every_autocast_cuda_list_op_has_a_class():
 
 def _autocast_lists(text: str) -> dict[str, set[str]]:
     """Op names of each ``#define AT_FORALL_<NAME>(_)`` macro in autocast_mode.h."""
-    import re
-
     lists: dict[str, set[str]] = {}
     for match in re.finditer(r"#define AT_FORALL_(\w+)\(_\)((?:.*\\\n)*.*)", text):
         lists[match.group(1)] = set(re.findall(r"_\((\w+)", match.group(2)))
