@@ -182,6 +182,18 @@ def _min_cut(terms, traffic) -> tuple[Precision, ...]:
     return tuple(Precision.HIGH if g in high_side else Precision.LOW for g in range(len(traffic)))
 
 
+def _no_high_neighbour(graph: PrecisionGraph, region: Region,
+                       labels: dict[Hashable, Precision]) -> bool:
+    high = Precision.HIGH
+    for v in region.values:
+        if labels.get(graph._producer.get(v)) is high:
+            return False
+        for c in graph._consumers[v]:
+            if labels.get(c) is high:
+                return False
+    return True
+
+
 def settled_sources(graph: PrecisionGraph,
                     fixed: dict[Hashable, Precision]) -> dict[Hashable, Precision]:
     """Free sources (initializers) whose readers are all fixed at one precision take it.
@@ -212,7 +224,10 @@ def place(graph: PrecisionGraph, fixed: dict[Hashable, Precision],
     per_byte = traffic_weight(savings_weight)
     solved: dict[tuple, tuple[Precision, ...]] = {}
     for region in free_regions(graph, labels):
-        key = canonical(graph, region, fixed, per_byte)
+        if _no_high_neighbour(graph, region, labels):
+            labels.update(dict.fromkeys(region.groups, Precision.LOW))  # casts nothing
+            continue
+        key = canonical(graph, region, labels, per_byte)
         if key not in solved:
             solved[key] = solve_canonical(*key)
         labels.update(zip(region.groups, solved[key]))
