@@ -33,6 +33,9 @@ class ValueInfo:
     key: Hashable
     name: str
     nbytes: int | None  # size in the HIGH dtype; None when unknown (costs one unit)
+    # Read HIGH, it makes a promoting reader compute HIGH (False for 0-dim tensors, which do
+    # not promote dimensioned ones); see ``GroupInfo.promotes``.
+    anchors: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +51,10 @@ class GroupInfo:
     op_class: OpClass | None = None  # None: from the rules by op_key
     savings: bool = True  # False for sources/sinks: running them low saves no traffic
     tvar: str = ""  # type-variable name(s), for reports
+    # The op computes mixed float inputs in the widest dtype without a conversion kernel
+    # (PyTorch's type promotion; never set for ONNX): run HIGH with an anchoring input that
+    # is fixed HIGH, it reads its other inputs LOW for free.
+    promotes: bool = False
 
 
 class PrecisionGraph:
@@ -61,8 +68,9 @@ class PrecisionGraph:
         self._inputs: dict[Hashable, list[Hashable]] = {}
         self._outputs: dict[Hashable, list[Hashable]] = {}
 
-    def add_value(self, key: Hashable, *, name: str = "", nbytes: int | None = None) -> None:
-        self._values[key] = ValueInfo(key, name or str(key), nbytes)
+    def add_value(self, key: Hashable, *, name: str = "", nbytes: int | None = None,
+                  anchors: bool = True) -> None:
+        self._values[key] = ValueInfo(key, name or str(key), nbytes, anchors)
         self._consumers[key] = []
 
     def add_group(self, group: GroupInfo, inputs: Iterable[Hashable] = (),

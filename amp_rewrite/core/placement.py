@@ -6,6 +6,12 @@ cast is shared by all consumers that need it, so its cost is paid once:
 * p HIGH and some c ∈ C LOW costs bytes(v): auxiliary node a, edges p→a (bytes), a→c (∞);
 * p LOW and some c ∈ C HIGH costs bytes(v): auxiliary node b, edges c→b (∞), b→p (bytes).
 
+*Free reads* (PyTorch type promotion): ``add(x_fp16, y_fp32)`` computes in fp32 inside the
+kernel, with no conversion. So when a promoting consumer c of v has another input u that
+anchors (has a dimension) and whose producer is fixed HIGH, c running HIGH reads v in whatever
+dtype it comes, and c's edge c→b is left out; c running LOW still needs v LOW. This only removes
+terms, so the cut stays exact (``free_reads``).
+
 Each free group that would save memory traffic in low precision gets an edge g→t whose capacity
 is its traffic times (β·CAST_WEIGHT + 1), cast bytes being weighted by ``CAST_WEIGHT``: with the
 default β = 0 traffic only breaks ties between placements with the same cast bytes. networkx returns the source side reachable in the residual
@@ -101,23 +107,55 @@ def traffic_weight(savings_weight: float) -> int:
     return round(savings_weight * CAST_WEIGHT) + 1
 
 
+FreeReads = frozenset[tuple[Hashable, Hashable]]  # (value, consumer group) pairs
+
+
+def free_reads(graph: PrecisionGraph, fixed: dict[Hashable, Precision]) -> FreeReads:
+    """Reads that need no upcast when the reader runs HIGH (module docstring, *free reads*).
+
+    Only producers in ``fixed`` count as anchors: their precision is known before the cut.
+    """
+    free = []
+    for key, group in graph._groups.items():
+        if not group.promotes:
+            continue
+        reads = graph._inputs[key]
+        anchors = [u for u in reads if graph._values[u].anchors
+                   and fixed.get(graph._producer.get(u)) is Precision.HIGH]
+        free.extend((v, key) for v in reads if any(u != v for u in anchors))
+    return frozenset(free)
+
+
 # A region in canonical form: free groups are numbered 0..n-1 and fixed neighbours appear as
 # their Precision, so regions with the same structure (repeated layers) share one solution.
 Ref = int | Precision
-Term = tuple[int, Ref, tuple[Ref, ...]]  # (cast weight, producer, consumers) of one value
+# (cast weight, producer, consumers, free-read consumers) of one value; the last read the
+# value for free when HIGH, so they count only when LOW.
+Term = tuple[int, Ref, tuple[Ref, ...], tuple[int, ...]]
 
 
 def canonical(graph: PrecisionGraph, region: Region, fixed: dict[Hashable, Precision],
-              per_traffic_byte: int = 1) -> tuple[tuple[Term, ...], tuple[int, ...]]:
+              per_traffic_byte: int = 1, free: FreeReads = frozenset()
+              ) -> tuple[tuple[Term, ...], tuple[int, ...]]:
     index = {g: i for i, g in enumerate(region.groups)}
 
     def ref(g: Hashable) -> Ref:
         i = index.get(g)
         return fixed[g] if i is None else i
 
-    terms = tuple((CAST_WEIGHT * graph.cost_units(v), ref(graph.producer(v)),
-                   tuple(map(ref, graph.consumers(v))))
-                  for v in region.values
+    def term(v: Hashable) -> Term:
+        paid, low_only = [], []
+        for c in graph.consumers(v):
+            r = ref(c)
+            if (v, c) not in free or r is Precision.LOW:
+                paid.append(r)
+            elif isinstance(r, int):
+                low_only.append(r)
+            # else: a fixed HIGH free reader never needs a cast of v
+        return CAST_WEIGHT * graph.cost_units(v), ref(graph.producer(v)), tuple(paid), \
+            tuple(low_only)
+
+    terms = tuple(term(v) for v in region.values
                   if graph.consumers(v) and graph.producer(v) is not None)
     return terms, tuple(per_traffic_byte * traffic_units(graph, g) for g in region.groups)
 
@@ -125,7 +163,8 @@ def canonical(graph: PrecisionGraph, region: Region, fixed: dict[Hashable, Preci
 def solve_canonical(terms: tuple[Term, ...], traffic: tuple[int, ...]) -> tuple[Precision, ...]:
     """Optimal labels of the numbered free groups."""
     n = len(traffic)
-    if all(r is Precision.LOW for _, p, cs in terms for r in (p, *cs) if not isinstance(r, int)):
+    if all(r is Precision.LOW for _, p, cs, _ in terms for r in (p, *cs)
+           if not isinstance(r, int)):
         return (Precision.LOW,) * n  # no HIGH neighbour: all low costs nothing
     if n <= ENUMERATE_UP_TO:
         return _enumerate(terms, traffic)
@@ -137,9 +176,10 @@ def _enumerate(terms, traffic) -> tuple[Precision, ...]:
     best, best_bits = None, ()
     for bits in itertools.product((Precision.LOW, Precision.HIGH), repeat=len(traffic)):
         cost = sum(t for t, b in zip(traffic, bits) if b is Precision.HIGH)
-        for w, p, cs in terms:
+        for w, p, cs, low_only in terms:
             have = bits[p] if isinstance(p, int) else p
             wanted = {bits[c] if isinstance(c, int) else c for c in cs}
+            wanted.update(bits[c] for c in low_only if bits[c] is Precision.LOW)
             cost += w * len(wanted - {have})
         score = (cost, bits.count(Precision.HIGH))
         if best is None or score < best:
@@ -171,13 +211,15 @@ def _min_cut(terms, traffic) -> tuple[Precision, ...]:
     for g, t in enumerate(traffic):
         if t:
             add(g, _T, t)
-    for i, (w, p, cs) in enumerate(terms):
+    for i, (w, p, cs, low_only) in enumerate(terms):
         to_low, to_high = ("to_low", i), ("to_high", i)
         add(node(p), to_low, w)
         add(to_high, node(p), w)
         for c in cs:
             add(to_low, node(c), None)
             add(node(c), to_high, None)
+        for c in low_only:  # no c→to_high: reading v for free when HIGH
+            add(to_low, c, None)
     _, (high_side, _) = nx.minimum_cut(flow, _S, _T)
     return tuple(Precision.HIGH if g in high_side else Precision.LOW for g in range(len(traffic)))
 
@@ -194,40 +236,46 @@ def _no_high_neighbour(graph: PrecisionGraph, region: Region,
     return True
 
 
-def settled_sources(graph: PrecisionGraph,
-                    fixed: dict[Hashable, Precision]) -> dict[Hashable, Precision]:
+def settled_sources(graph: PrecisionGraph, fixed: dict[Hashable, Precision],
+                    free: FreeReads = frozenset()) -> dict[Hashable, Precision]:
     """Free sources (initializers) whose readers are all fixed at one precision take it.
 
     Exact without a flow: a source has no inputs and saves no traffic, so matching its readers
     costs nothing and anything else costs a cast. Large models have one such source per weight.
+    Readers fixed HIGH that read the source for free want nothing.
     """
     settled = {}
     for key, group in graph._groups.items():
         if key in fixed or group.savings or graph._inputs[key]:
             continue
-        wanted = {fixed.get(c) for v in graph._outputs[key] for c in graph._consumers[v]}
+        wanted = {fixed.get(c) for v in graph._outputs[key] for c in graph._consumers[v]
+                  if (v, c) not in free or fixed.get(c) is not Precision.HIGH}
         if len(wanted) == 1 and None not in wanted:
             settled[key] = wanted.pop()
     return settled
 
 
 def place(graph: PrecisionGraph, fixed: dict[Hashable, Precision],
-          savings_weight: float = 0.0) -> dict[Hashable, Precision]:
+          savings_weight: float = 0.0,
+          free: FreeReads | None = None) -> dict[Hashable, Precision]:
     """Optimal precision of every group: ``fixed`` plus the min-cut answer for the rest.
 
     ``savings_weight`` (β) prices one byte of memory traffic saved by running an op low
     against one byte cast: 0 (default) minimises cast bytes and uses traffic only to break
-    ties; 1 also runs an op low when the traffic it saves pays for its casts.
+    ties; 1 also runs an op low when the traffic it saves pays for its casts. ``free``: the
+    free reads, ``free_reads(graph, fixed)`` unless given.
     """
+    if free is None:
+        free = free_reads(graph, fixed)
     labels = dict(fixed)
-    labels.update(settled_sources(graph, fixed))
+    labels.update(settled_sources(graph, fixed, free))
     per_byte = traffic_weight(savings_weight)
     solved: dict[tuple, tuple[Precision, ...]] = {}
     for region in free_regions(graph, labels):
         if _no_high_neighbour(graph, region, labels):
             labels.update(dict.fromkeys(region.groups, Precision.LOW))  # casts nothing
             continue
-        key = canonical(graph, region, labels, per_byte)
+        key = canonical(graph, region, labels, per_byte, free)
         if key not in solved:
             solved[key] = solve_canonical(*key)
         labels.update(zip(region.groups, solved[key]))

@@ -2,7 +2,8 @@
 
 ``plan_precision`` is pure: it reads a PrecisionGraph and returns an immutable PrecisionPlan in
 which every group has a precision and a reason, and every value that some consumer needs in the
-other precision has exactly one CastPlan per target precision.
+other precision has exactly one CastPlan per target precision. A HIGH promoting consumer reading
+a value for free (``placement.free_reads``) needs no cast of it.
 """
 from __future__ import annotations
 
@@ -66,10 +67,11 @@ def plan_precision(graph: PrecisionGraph, rules: RuleSet, *, keep_fp32: Iterable
     fixes.update({k: constraints.Fix(Precision.HIGH, why) for k, why in (pins or {}).items()})
     fixes.update(constraints.deny_propagation(graph, classes, fixes))
     fixed = {k: f.precision for k, f in fixes.items()}
-    labels = placement.place(graph, fixed, savings_weight)
+    free = placement.free_reads(graph, fixed)
+    labels = placement.place(graph, fixed, savings_weight, free)
     decisions = {g.key: _decision(labels[g.key], classes[g.key], fixes.get(g.key))
                  for g in graph.groups()}
-    casts = plan_casts(graph, labels)
+    casts = plan_casts(graph, labels, free)
     units = sum(graph.cost_units(c.value) for c in casts)
     return PrecisionPlan(MappingProxyType(decisions), casts, units)
 
@@ -88,14 +90,20 @@ def _free_decision(precision: Precision, op_class: OpClass) -> Decision:
                     "with its neighbours (exact min-cut)", False)
 
 
-def plan_casts(graph: PrecisionGraph, labels: Mapping[Hashable, Precision]) -> tuple[CastPlan, ...]:
-    """One cast per (value, target precision), shared by the consumers that need it."""
+def plan_casts(graph: PrecisionGraph, labels: Mapping[Hashable, Precision],
+               free: placement.FreeReads = frozenset()) -> tuple[CastPlan, ...]:
+    """One cast per (value, target precision), shared by the consumers that need it.
+
+    A HIGH consumer with a free read (``placement.free_reads``) promotes the value itself.
+    """
     casts: list[CastPlan] = []
     for value in graph.values():
         producer = graph.producer(value.key)
         have = labels[producer] if producer is not None else Precision.HIGH
         wanting: dict[Precision, list[Hashable]] = {}
         for c in graph.consumers(value.key):
+            if labels[c] is Precision.HIGH and (value.key, c) in free:
+                continue
             if labels[c] is not have:
                 wanting.setdefault(labels[c], []).append(c)
         casts.extend(CastPlan(value.key, to, tuple(cs)) for to, cs in wanting.items())

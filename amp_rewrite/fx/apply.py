@@ -63,7 +63,9 @@ def promoted_reads(view: FxView, plan: PrecisionPlan) -> set[tuple[Hashable, Nod
 
     ``add(x_fp16, y_fp32)`` computes in fp32 exactly as ``add(x.float(), y)`` does, provided
     some fp32 input has at least one dimension (a 0-dim tensor does not promote a dimensioned
-    one). The upcast then happens inside the kernel, with no conversion kernel or copy.
+    one). The upcast then happens inside the kernel, with no conversion kernel or copy. The
+    core plans no cast where that input was fixed fp32 (``placement.free_reads``); this also
+    covers inputs the min-cut happened to place fp32.
     """
     covered: set[tuple[Hashable, Node]] = set()
     for group, ports in view.ports.items():

@@ -15,7 +15,7 @@ a second run of the chain on its own output changes nothing.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,12 +24,12 @@ from torch import nn
 from torch.fx import Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-from amp_rewrite.core import (Precision, PrecisionPlan, RuleSet, constraints, explain_chain,
+from amp_rewrite.core import (Precision, PrecisionPlan, RuleSet, explain_chain,
                               plan_precision)
 from amp_rewrite.core.report import node_records, precision_counts, unlisted_ops
 from amp_rewrite.fx import opkeys
 from amp_rewrite.fx.apply import ApplyResult, apply_plan, check_applied, retype_values
-from amp_rewrite.fx.view import FxView, alias_set, build_view, group_key, resolve
+from amp_rewrite.fx.view import FxView, alias_set, build_view, resolve
 
 log = logging.getLogger(__name__)
 
@@ -199,33 +199,12 @@ class MixedPrecisionPass(PassBase):
 
     def _plan_once(self, gm: torch.fx.GraphModule,
                    kept: dict[Node, str]) -> tuple[FxView, PrecisionPlan]:
-        """Plan, with the free type promotion of ops that certainly run fp32 taken out.
-
-        The core charges every cast, but ``add(x_fp16, y_fp32)`` upcasts inside the kernel.
-        Where the constraints alone force a promoting op high and one of its inputs is
-        certainly fp32 with ndim > 0, reading its other inputs costs nothing whatever their
-        precision, so they are left out of its ports and the min-cut places them freely.
-        Those inputs come from groups the constraints leave free, so no deny path is cut,
-        and the constraints force the op high again; the plan is checked for that.
-        """
+        """One view and its plan; the core reads promoting ops' inputs for free (view)."""
         opts = self.options
-
-        def planned(promoted: dict[Node, frozenset[Node]]) -> tuple[FxView, PrecisionPlan]:
-            view = build_view(gm, opts.low, max_finite=opts.max_finite,
-                              keep_io_types=opts.keep_io_types,
-                              keep_fp32_modules=list(opts.keep_fp32), kept_conversions=kept,
-                              promoted=promoted)
-            return view, plan_precision(view.graph, opts.rules, keep_fp32=opts.keep_fp32)
-
-        view, plan = planned({})
-        promoted = _certain_promotions(view, _certainly_high(view, opts))
-        if promoted:
-            better = planned(promoted)
-            if all(better[1].precision(group_key(n)) is Precision.HIGH for n in promoted):
-                return better
-            log.warning("type promotion left out of the plan: %d promoting ops did not stay "
-                        "fp32 (please report)", len(promoted))
-        return view, plan
+        view = build_view(gm, opts.low, max_finite=opts.max_finite,
+                          keep_io_types=opts.keep_io_types,
+                          keep_fp32_modules=list(opts.keep_fp32), kept_conversions=kept)
+        return view, plan_precision(view.graph, opts.rules, keep_fp32=opts.keep_fp32)
 
     def ensures(self, graph_module: torch.fx.GraphModule) -> None:
         if self.view is not None and self.plan is not None:
@@ -247,9 +226,7 @@ class MixedPrecisionPass(PassBase):
             "casts_inserted": applied.casts_inserted,
             "cast_bytes_planned": self.plan.cast_units,
             "casts_planned": len(self.plan.casts),
-            "upcasts_by_promotion": applied.upcasts_by_promotion + sum(
-                self.plan.precision(self.view.values[p.value]) is Precision.LOW
-                for p in self.view.promoted_reads),
+            "upcasts_by_promotion": applied.upcasts_by_promotion,
             "precision_counts": precision_counts(records),
             "nodes_retyped": applied.conversions_retyped,
             "unlisted_ops": unlisted,
@@ -281,28 +258,4 @@ def _conversions_with_high_readers(view: FxView, plan: PrecisionPlan) -> dict[No
         if any(plan.precision(c) is Precision.HIGH for c in readers):
             found[info.node] = (f"{info.op_key}: the model's own conversion to float32 is "
                                 "kept because a reader runs high")
-    return found
-
-
-def _certainly_high(view: FxView, opts: MixedPrecisionOptions) -> dict[Hashable, str]:
-    """Groups the constraints alone fix high (before any min-cut), with the reason."""
-    graph, rules = view.graph, opts.rules
-    classes = constraints.classify_groups(graph, rules)
-    fixes = constraints.rule_fixes(graph, rules, classes, opts.keep_fp32)
-    fixes.update(constraints.deny_propagation(graph, classes, fixes))
-    return {k: f.reason for k, f in fixes.items() if f.precision is Precision.HIGH}
-
-
-def _certain_promotions(view: FxView, high: dict[Hashable, str]
-                        ) -> dict[Node, frozenset[Node]]:
-    """Promoting ops forced high → their inputs that are certainly fp32 (the ports to keep),
-    where one of those has ndim > 0 and so promotes the others."""
-    found = {}
-    for info in view.graph.groups():
-        if info.key not in high or info.tvar != "T" or info.op_key not in opkeys.PROMOTING:
-            continue
-        values = {p.value for p in view.ports[info.key]}
-        keep = frozenset(v for v in values if view.values[v] in high)
-        if keep != values and any(v.meta["val"].dim() > 0 for v in keep):
-            found[info.node] = keep
     return found

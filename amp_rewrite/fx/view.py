@@ -10,6 +10,9 @@ and outputs, because an ATen op computes in the dtype of its floating arguments.
 * ``type_as``: the output follows the second tensor, so they share a group;
 * batch norm: the data runs in either precision, the affine parameters and running statistics
   stay fp32 (cuDNN and the CPU kernels take them in fp32 for low inputs);
+* type promotion: a single-group op in ``opkeys.PROMOTING`` is marked ``promotes`` and a value
+  with a dimension ``anchors``, so the core reads the other inputs of such an op for free when it
+  runs fp32 next to an input fixed fp32 (``add(x_fp16, y_fp32)`` upcasts inside the kernel);
 * modules with their own parameters that were not inlined, float scalars outside the low
   range, tensors written in place: fixed at their original precision.
 
@@ -78,7 +81,6 @@ class FxView:
     low: torch.dtype
     ports: dict[Hashable, list[Port]]  # group key -> its floating input ports
     values: dict[Node, Hashable]  # value node -> its producer (group or source key)
-    promoted_reads: list[Port] = field(default_factory=list)  # left to type promotion
 
     def dtype(self, precision: Precision) -> torch.dtype:
         return self.low if precision is Precision.LOW else torch.float32
@@ -159,12 +161,9 @@ class _Builder:
 
     def __init__(self, gm: torch.fx.GraphModule, low: torch.dtype, max_finite: float,
                  keep_io_types: bool, keep_fp32_modules: list[str],
-                 kept_conversions: Mapping[Node, str],
-                 promoted: Mapping[Node, frozenset[Node]]) -> None:
+                 kept_conversions: Mapping[Node, str]) -> None:
         self.gm, self.low = gm, low
         self.kept_conversions = kept_conversions
-        self.promoted = promoted
-        self.promoted_reads: list[Port] = []
         self.max_finite = max_finite
         self.keep_io_types = keep_io_types
         self.module_patterns = keep_fp32_modules
@@ -212,12 +211,6 @@ class _Builder:
         if key in _BATCH_NORMS and len(ports) > 1:
             return self._batch_norm(node, key, ports, outputs)
         spec = _GroupSpec(node, "T", key, ports, outputs)
-        if node in self.promoted:
-            # Certainly fp32, with an fp32 input that promotes: its other inputs are read in
-            # whatever precision they come, at no cost, so they are not ports of the group.
-            keep = self.promoted[node]
-            spec.ports = [p for p in ports if p.value in keep]
-            self.promoted_reads.extend(p for p in ports if p.value not in keep)
         self._fix_special(spec)
         return [spec]
 
@@ -306,7 +299,9 @@ class _Builder:
             if self.is_value(node):
                 val = node.meta["val"]
                 numel = static_numel(val)
-                graph.add_value(node, name=node.name, nbytes=None if numel is None else 4 * numel)
+                # A 0-dim tensor does not promote a dimensioned one of another float dtype.
+                graph.add_value(node, name=node.name, nbytes=None if numel is None else 4 * numel,
+                                anchors=val.dim() > 0)
         for node in nodes:
             if node.op in ("placeholder", "get_attr") and self.is_value(node):
                 self._add_source(graph, node)
@@ -317,14 +312,15 @@ class _Builder:
         ports = {}
         for spec in self.specs:
             info = GroupInfo(spec.key, spec.node, spec.node.name, spec.op_key, fixed=spec.fixed,
-                             reason=spec.reason, op_class=spec.op_class, tvar=spec.tvar)
+                             reason=spec.reason, op_class=spec.op_class, tvar=spec.tvar,
+                             promotes=spec.tvar == "T" and spec.op_key in opkeys.PROMOTING)
             graph.add_group(info, inputs=_unique(p.value for p in spec.ports),
                             outputs=spec.outputs)
             ports[spec.key] = spec.ports
             for v in spec.outputs:
                 self.values[v] = spec.key
         self._add_sinks(graph, ports)
-        return FxView(graph, self.low, ports, self.values, self.promoted_reads)
+        return FxView(graph, self.low, ports, self.values)
 
     def _is_tuple_getitem(self, node: Node) -> bool:
         source = node.args[0]
@@ -390,14 +386,11 @@ def alias_set(value: Node, gm: torch.fx.GraphModule) -> set[Node]:
 
 def build_view(gm: torch.fx.GraphModule, low: torch.dtype, *, max_finite: float,
                keep_io_types: bool = True, keep_fp32_modules: list[str] | None = None,
-               kept_conversions: Mapping[Node, str] | None = None,
-               promoted: Mapping[Node, frozenset[Node]] | None = None) -> FxView:
+               kept_conversions: Mapping[Node, str] | None = None) -> FxView:
     """The PrecisionGraph of ``gm`` for target dtype ``low`` (float16 or bfloat16).
 
     ``kept_conversions``: the model's own fp32 conversions to keep fp32 (node → reason);
     other fp32 conversions and factories are free, and retyped low when planned low.
-    ``promoted``: promoting ops that certainly run fp32 → their inputs that certainly are
-    fp32; only those stay ports, the others are read through type promotion for free.
     """
     return _Builder(gm, low, max_finite, keep_io_types, keep_fp32_modules or [],
-                    kept_conversions or {}, promoted or {}).build()
+                    kept_conversions or {}).build()

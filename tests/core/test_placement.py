@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -128,22 +129,39 @@ def test_gray_between_high_stays_high_and_prefers_cheaper_cut():
 
 # -- brute force ------------------------------------------------------------------------------
 
+def brute_force_free_reads(g: PrecisionGraph, nxg, fixed: dict) -> set:
+    """(value, reader): a promoting reader with another dimensioned input made by a group fixed
+    HIGH computes HIGH by type promotion, so running HIGH it reads the value as it comes."""
+    free = set()
+    for grp in g.groups():
+        if not grp.promotes:
+            continue
+        reads = list(nxg.pred[grp.key])
+        for v in reads:
+            if any(u != v and g.value(u).anchors and fixed.get(next(iter(nxg.pred[u]))) is H
+                   for u in reads):
+                free.add((v, grp.key))
+    return free
+
+
+def brute_cast_cost(g: PrecisionGraph, nxg, label: dict, free_reads: set) -> int:
+    """Σ_v bytes(v)·|{other dtypes v's readers want}|; a HIGH free reader wants nothing."""
+    cost = 0
+    for v in g.values():
+        have = label[next(iter(nxg.pred[v.key]))]
+        wanted = {label[c] for c in nxg.succ[v.key]
+                  if not (label[c] is H and (v.key, c) in free_reads)}
+        cost += (v.nbytes or 1) * len(wanted - {have})
+    return cost
+
+
 def brute_force_cast_bytes(g: PrecisionGraph, fixed: dict) -> int:
-    """Exhaustive optimum of Σ_v bytes(v)·|{other dtypes v's consumers want}|, written apart
-    from the code under test."""
+    """Exhaustive optimum of the cast bytes, written apart from the code under test."""
     free = [grp.key for grp in g.groups() if grp.key not in fixed]
-    values = [(v.key, v.nbytes or 1) for v in g.values()]
     nxg = g.to_networkx()  # an independent view of the same links
-    best = None
-    for bits in itertools.product((H, L), repeat=len(free)):
-        label = {**fixed, **dict(zip(free, bits))}
-        cost = 0
-        for key, size in values:
-            have = label[next(iter(nxg.pred[key]))]
-            wanted = {label[c] for c in nxg.succ[key]} - {have}
-            cost += size * len(wanted)
-        best = cost if best is None else min(best, cost)
-    return best
+    reads = brute_force_free_reads(g, nxg, fixed)
+    return min(brute_cast_cost(g, nxg, {**fixed, **dict(zip(free, bits))}, reads)
+               for bits in itertools.product((H, L), repeat=len(free)))
 
 
 @st.composite
@@ -156,14 +174,15 @@ def random_graphs(draw):
     names = []
     for i in range(n_in):
         fixed = draw(st.sampled_from([H, L]))
-        g.add_value(f"in{i}", nbytes=draw(st.integers(1, 64)))
+        g.add_value(f"in{i}", nbytes=draw(st.integers(1, 64)), anchors=draw(st.booleans()))
         g.add_source(f"src{i}", f"in{i}", name=f"src{i}", fixed=fixed)
         names.append(f"in{i}")
     for i, kind in enumerate(kinds):
         k = draw(st.integers(1, min(3, len(names))))
         reads = draw(st.lists(st.sampled_from(names), min_size=1, max_size=k, unique=True))
-        g.add_value(f"v{i}", nbytes=draw(st.integers(1, 64)))
-        g.add_group(GroupInfo(f"n{i}", f"n{i}", f"n{i}", kind), inputs=reads, outputs=[f"v{i}"])
+        g.add_value(f"v{i}", nbytes=draw(st.integers(1, 64)), anchors=draw(st.booleans()))
+        g.add_group(GroupInfo(f"n{i}", f"n{i}", f"n{i}", kind, promotes=draw(st.booleans())),
+                    inputs=reads, outputs=[f"v{i}"])
         names.append(f"v{i}")
     for v in draw(st.lists(st.sampled_from(names[n_in:]), min_size=1, unique=True)):
         g.add_sink(f"sink:{v}", v, name=f"sink:{v}", fixed=draw(st.sampled_from([H, L])))
@@ -210,13 +229,12 @@ def brute_force_energy(g: PrecisionGraph, fixed: dict, beta: float) -> float:
     free = [grp.key for grp in g.groups() if grp.key not in fixed]
     traffic = {k: sum((g.value(v).nbytes or 1) for v in (*nxg.pred[k], *nxg.succ[k]))
                for k in free if g.group(k).savings}
+    reads = brute_force_free_reads(g, nxg, fixed)
     best = None
     for bits in itertools.product((H, L), repeat=len(free)):
         label = {**fixed, **dict(zip(free, bits))}
         cost = beta * sum(t for k, t in traffic.items() if label[k] is H)
-        for v in g.values():
-            have = label[next(iter(nxg.pred[v.key]))]
-            cost += (v.nbytes or 1) * len({label[c] for c in nxg.succ[v.key]} - {have})
+        cost += brute_cast_cost(g, nxg, label, reads)
         best = cost if best is None else min(best, cost)
     return best
 
@@ -232,3 +250,74 @@ def test_savings_weight_plan_matches_brute_force(g):
                        for k, d in plan.decisions.items()
                        if not d.fixed and d.precision is H and g.group(k).savings)
     assert plan.cast_units + high_traffic == brute_force_energy(g, fixed, 1.0)
+
+
+@settings(max_examples=150, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(random_graphs())
+def test_min_cut_matches_brute_force_optimum(g):
+    """Every region through the flow network (free reads included), none enumerated."""
+    from unittest import mock
+
+    from amp_rewrite.core import placement
+
+    with mock.patch.object(placement, "ENUMERATE_UP_TO", 0):
+        plan = plan_precision(g, RULES)
+    fixed = {k: d.precision for k, d in plan.decisions.items() if d.fixed}
+    assert plan.cast_units == brute_force_cast_bytes(g, fixed)
+
+
+# -- free reads (type promotion) -----------------------------------------------------------
+
+def layer_scale_block(*, promotes: bool, scale_anchors: bool = True) -> PrecisionGraph:
+    """ConvNeXt's ``h + layer_scale * mm(x)``: x low, h an fp32 input, layer_scale an fp32
+    parameter, mul and add promoting (as torch's are; ONNX's are not)."""
+    g = PrecisionGraph()
+    for name, size, precision in (("x", 64, L), ("h", 64, H), ("scale", 16, H)):
+        g.add_value(f"{name}:out", nbytes=size, anchors=name != "scale" or scale_anchors)
+        g.add_source(name, f"{name}:out", name=name, fixed=precision)
+    for name, op, reads in (("mm", "allow", ["x"]), ("mul", "gray", ["scale", "mm"]),
+                            ("add", "gray", ["h", "mul"])):
+        g.add_value(f"{name}:out", nbytes=64)
+        g.add_group(GroupInfo(name, name, name, op, promotes=promotes and name != "mm"),
+                    inputs=[f"{r}:out" for r in reads], outputs=[f"{name}:out"])
+    g.add_sink("out", "add:out", name="out", fixed=H)
+    return g
+
+
+def test_layer_scale_promotes_for_free():
+    # Hand count. Without promotion the best is mul, add HIGH with mm's output cast up
+    # (64 B; mul LOW would cast the scale, 16 B, and then mul's or h's output, 64 B more).
+    plan = plan_precision(layer_scale_block(promotes=False), RULES)
+    assert plan.cast_units == 64 and [(c.value, c.to) for c in plan.casts] == [("mm:out", H)]
+    # With it, mul HIGH reads mm's low output as it comes (the scale promotes it): no cast.
+    plan = plan_precision(layer_scale_block(promotes=True), RULES)
+    assert plan.precision("mul") is H and plan.precision("add") is H
+    assert plan.casts == () and plan.cast_units == 0
+
+
+def test_zero_dim_scale_does_not_promote():
+    # A 0-dim fp32 tensor does not promote a dimensioned fp16 one, so mul HIGH would pay the
+    # 64 B upcast again; mul LOW casts the 16 B scale, and the residual add, promoted by h,
+    # reads mul's low output for free.
+    plan = plan_precision(layer_scale_block(promotes=True, scale_anchors=False), RULES)
+    assert plan.precision("mul") is L and plan.precision("add") is H
+    assert plan.cast_units == 16 and [(c.value, c.to) for c in plan.casts] == [("scale:out", L)]
+
+
+def test_free_read_needs_a_fixed_anchor_and_a_high_reader():
+    # mul feeds a GEMM: running it LOW casts the 16 B scale, HIGH would cast its 64 B output
+    # down; the free read only helps a HIGH reader, so mul stays LOW.
+    g = build({"mm": "allow", "mul": "gray", "mm2": "allow"},
+              [("x", "mm"), ("scale", "mul"), ("mm", "mul"), ("mul", "mm2")],
+              low_inputs=["x"], inputs=["scale"], sizes={"scale": 2, "mm": 64, "mul": 64})
+    g2 = PrecisionGraph()  # the same with mul promoting
+    for v in g.values():
+        g2.add_value(v.key, nbytes=v.nbytes)
+    for grp in g.groups():
+        g2.add_group(replace(grp, promotes=grp.key == "mul"), inputs=g.inputs(grp.key),
+                     outputs=g.outputs(grp.key))
+    for graph in (g, g2):
+        plan = plan_precision(graph, RULES)
+        assert plan.precision("mul") is L
+        assert [(c.value, c.to) for c in plan.casts] == [("scale:out", L)]

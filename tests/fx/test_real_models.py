@@ -35,7 +35,8 @@ MORE_CONVERSIONS_THAN_CPU_AUTOCAST = {
     "albert": "gelu_new's pow(x, 3) is deny: an fp32 island, two casts per layer",
     "gpt2": "gelu_new's pow(x, 3) is deny: an fp32 island, two casts per layer",
     "swin": "layer_norm is deny: two casts per norm",
-    "convnext": "layer_norm is deny: two casts per norm; layer_scale is cast, not promoted",
+    "convnext": "layer_norm is deny: two casts per norm; a layer_scale after a low residual "
+                "is cast (mul's output is no fixed anchor for the add)",
     "wav2vec2": "layer_norm/group_norm are deny: two casts per norm",
     "segformer": "layer_norm is deny: two casts per norm",
 }
