@@ -25,7 +25,7 @@ model are solved once.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import networkx as nx
@@ -279,4 +279,6 @@ def place(graph: PrecisionGraph, fixed: dict[Hashable, Precision],
         if key not in solved:
             solved[key] = solve_canonical(*key)
         labels.update(zip(region.groups, solved[key]))
+    for key in graph._groups:  # a free group that touches no value costs nothing either way
+        labels.setdefault(key, Precision.LOW)
     return labels

@@ -7,16 +7,15 @@ and dtypes, and carries ``gm.amp_report`` (the ONNX ``--report`` schema).
 """
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
 from amp_rewrite.core import LowDtype, load_rules
+from amp_rewrite.core.runtime import gc_paused
 from amp_rewrite.errors import UsageError
 from amp_rewrite.fx.capture import capture as capture_module
 from amp_rewrite.fx.capture import refresh_fake_values
@@ -66,7 +65,7 @@ def rewrite_graph(gm: torch.fx.GraphModule, *, dtype: torch.dtype | str = torch.
                                     _TORCH_DTYPES[low], low.max_finite, tuple(keep_fp32),
                                     keep_io_types)
     start = time.perf_counter()
-    with _gc_paused():
+    with gc_paused():
         if InlineModules()(gm).modified:
             refresh_fake_values(gm)
         FunctionalizeInPlace()(gm)
@@ -77,18 +76,6 @@ def rewrite_graph(gm: torch.fx.GraphModule, *, dtype: torch.dtype | str = torch.
     for note in gm.amp_report["notes"]:
         log.warning("%s", note)
     return gm
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """A full collection over the captured program's many objects costs more than the pass."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def explain(gm: torch.fx.GraphModule, node_name: str) -> list[str]:

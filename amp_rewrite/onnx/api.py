@@ -1,8 +1,6 @@
 """Python entry points of the ONNX path (the CLI calls the same functions)."""
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
 import os
 import time
@@ -14,6 +12,7 @@ import onnx
 import onnx_ir as ir
 
 from amp_rewrite.core import LowDtype
+from amp_rewrite.core.runtime import gc_paused
 from amp_rewrite.errors import ModelError
 from amp_rewrite.onnx import io
 from amp_rewrite.onnx.passes import MixedPrecisionPass, OnnxOptions
@@ -66,19 +65,6 @@ def rewrite_onnx_model(source: str | os.PathLike | onnx.ModelProto, *,
             _check_output(result)
     result.report["seconds"] = round(time.perf_counter() - start, 3)
     return result
-
-
-@contextlib.contextmanager
-def gc_paused():
-    """The IR of a large model is millions of objects without cycles to free; Python's cyclic
-    collector rescanning them during the pass cost more than the pass itself."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def rewrite_onnx(model: str | os.PathLike | onnx.ModelProto, **options) -> onnx.ModelProto:

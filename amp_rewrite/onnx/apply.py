@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
-from amp_rewrite.core import CastPlan, LowDtype, Precision, PrecisionPlan
+from amp_rewrite.core import CastPlan, Precision, PrecisionPlan
 from amp_rewrite.onnx.ports import to_ir_dtype
 from amp_rewrite.onnx.view import INSERTED_TAG, OnnxView
 

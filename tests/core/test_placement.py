@@ -321,3 +321,9 @@ def test_free_read_needs_a_fixed_anchor_and_a_high_reader():
         plan = plan_precision(graph, RULES)
         assert plan.precision("mul") is L
         assert [(c.value, c.to) for c in plan.casts] == [("scale:out", L)]
+
+
+def test_group_without_values_gets_a_precision():
+    g = PrecisionGraph()
+    g.add_group(GroupInfo("lonely", "lonely", "lonely", "gray"))
+    assert plan_precision(g, RULES).precision("lonely") is L
