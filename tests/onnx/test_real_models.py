@@ -7,13 +7,11 @@ evaluated by onnx.reference only.
 """
 from __future__ import annotations
 
-import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
 
 from amp_rewrite import zoo
-from amp_rewrite.core import LowDtype
 from amp_rewrite.onnx import rewrite_onnx_model, validate
 
 MODELS = ["bert", "gpt2", "t5", "bart", "vit", "swin", "resnet", "convnext", "llama",
