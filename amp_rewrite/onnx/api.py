@@ -69,9 +69,8 @@ def rewrite_onnx_model(source: str | os.PathLike | onnx.ModelProto, *,
 
 def rewrite_onnx(model: str | os.PathLike | onnx.ModelProto, **options) -> onnx.ModelProto:
     """Rewrite an FP32 ONNX model to mixed precision; ``options`` as ``rewrite_onnx_model``."""
-    result = rewrite_onnx_model(model, **options)
-    with gc_paused():
-        return result.proto()
+    with gc_paused():  # one pause around both: re-enabling triggers a full collection
+        return rewrite_onnx_model(model, **options).proto()
 
 
 def _check_output(result: RewriteResult) -> None:

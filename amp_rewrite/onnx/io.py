@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -13,6 +14,8 @@ from amp_rewrite.errors import ModelError, UsageError
 
 logger = logging.getLogger(__name__)
 PROTOBUF_LIMIT = 2**31 - 1
+INFERRED_SIZES = "amp_rewrite.inferred_sizes"  # model.meta key: value name -> fp32 bytes
+SYMBOLIC_DIM_EXTENT = 64  # nominal size of a symbolic dim (batch, sequence) for cast costs
 
 
 def load_model(source: str | os.PathLike | onnx.ModelProto) -> ir.Model:
@@ -20,7 +23,7 @@ def load_model(source: str | os.PathLike | onnx.ModelProto) -> ir.Model:
     ModelProto (never mutated), with ONNX shape inference filled in where it was missing."""
     if isinstance(source, onnx.ModelProto):
         _check_input(source, "<ModelProto>")
-        return ir.from_proto(_with_inferred_shapes(source))
+        return _with_inferred_facts(ir.from_proto(source), source)
     path = Path(source)
     if not path.is_file():
         raise ModelError(f"{path}: no such file; pass the path of an .onnx model")
@@ -32,22 +35,58 @@ def load_model(source: str | os.PathLike | onnx.ModelProto) -> ir.Model:
     if not proto.graph.node and not proto.graph.input and not proto.graph.output:
         raise ModelError(f"{path}: not an ONNX model (no graph found); is it truncated?")
     _check_input(path if _has_external_data(proto) else proto, str(path))
-    model = ir.from_proto(_with_inferred_shapes(proto))
+    model = _with_inferred_facts(ir.from_proto(proto), proto)
     ir.external_data.set_base_dir(model.graph, path.parent)
     return model
 
 
-def _with_inferred_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
-    """Cast costs are bytes, so values need shapes. Inference reads only initializer dims,
-    never external data, and runs only when some node output has no recorded type."""
+def _with_inferred_facts(model: ir.Model, proto: onnx.ModelProto) -> ir.Model:
+    """Dtypes and sizes for values the model does not describe, from ONNX shape inference.
+
+    Cast costs are bytes, so values need sizes. Inference reads only initializer dims, never
+    external data, and runs only when some node output has no recorded type. The inferred
+    dtypes go onto the IR values; the sizes go to ``model.meta[INFERRED_SIZES]`` instead of
+    value shapes, because parsing and re-serialising 50k inferred shapes doubled the cost of
+    the onnx_ir round trip.
+    """
     known = {v.name for v in (*proto.graph.value_info, *proto.graph.output, *proto.graph.input)}
     if all(o in known for n in proto.graph.node for o in n.output if o):
-        return proto
+        return model
     try:
-        return onnx.shape_inference.infer_shapes(proto)
+        inferred = onnx.shape_inference.infer_shapes(proto)
     except Exception as e:  # a partial answer is still better than none: keep going
         logger.info("shape inference failed (%s); sizes of some values unknown", _first_line(e))
-        return proto
+        return model
+    facts = _tensor_facts(inferred.graph)
+    sizes = model.meta.setdefault(INFERRED_SIZES, {})
+    for g in model.graphs():
+        for node in g:
+            for v in node.outputs:
+                fact = facts.get(v.name)
+                if fact is None:
+                    continue
+                if v.type is None:
+                    v.dtype = fact[0]
+                if v.shape is None:
+                    sizes[v.name] = fact[1]
+    return model
+
+
+def _tensor_facts(graph: onnx.GraphProto) -> dict[str, tuple[ir.DataType, int | None]]:
+    """name -> (dtype, bytes in fp32 or None) for every inferred tensor, subgraphs included."""
+    facts = {}
+    for vi in graph.value_info:
+        t = vi.type.tensor_type if vi.type.HasField("tensor_type") else None
+        if t is not None and t.elem_type:
+            dims = ([d.dim_value if d.HasField("dim_value") else SYMBOLIC_DIM_EXTENT
+                     for d in t.shape.dim] if t.HasField("shape") else None)
+            facts[vi.name] = (ir.DataType(t.elem_type), None if dims is None else
+                              4 * max(1, math.prod(dims)))
+    for node in graph.node:
+        for attr in node.attribute:
+            for sub in (attr.g,) if attr.HasField("g") else attr.graphs:
+                facts.update(_tensor_facts(sub))
+    return facts
 
 
 def _has_external_data(proto: onnx.ModelProto) -> bool:

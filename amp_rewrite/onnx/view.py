@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 import onnx_ir as ir
 
 from amp_rewrite.core import GroupInfo, LowDtype, Precision, PrecisionGraph
+from amp_rewrite.onnx.io import INFERRED_SIZES, SYMBOLIC_DIM_EXTENT
 from amp_rewrite.onnx.ports import PortGroup, is_candidate, node_opset, port_groups, to_ir_dtype
 
 INSERTED_TAG = "amp_rewrite.inserted"
-SYMBOLIC_DIM_EXTENT = 64  # nominal size of a symbolic dim (batch, sequence) for cast costs
 
 
 @dataclass
@@ -32,10 +32,11 @@ class OnnxView:
     sinks: dict[tuple, tuple[ir.Graph, int]] = field(default_factory=dict)
 
 
-def value_nbytes(value: ir.Value) -> int | None:
+def value_nbytes(value: ir.Value, inferred: dict[str, int | None]) -> int | None:
+    """fp32 bytes of a value from its shape, else from load-time shape inference."""
     shape = value.shape
     if shape is None:
-        return None
+        return inferred.get(value.name)
     extent = 4
     for d in shape.dims:
         extent *= d if isinstance(d, int) else SYMBOLIC_DIM_EXTENT
@@ -61,8 +62,9 @@ def build_view(model: ir.Model, low: LowDtype, *, keep_io_types: bool = True) ->
     view = OnnxView(PrecisionGraph(), low, graphs)
     low_ir = to_ir_dtype(low)
     opsets = dict(model.opset_imports)
+    inferred = model.meta.get(INFERRED_SIZES, {})
     for g in graphs:
-        _add_values(view, g, low_ir)
+        _add_values(view, g, low_ir, inferred)
     for g in graphs:
         is_main = g is model.graph
         _add_sources(view, g, low_ir, is_main, keep_io_types)
@@ -72,12 +74,13 @@ def build_view(model: ir.Model, low: LowDtype, *, keep_io_types: bool = True) ->
     return view
 
 
-def _add_values(view: OnnxView, g: ir.Graph, low_ir: ir.DataType) -> None:
+def _add_values(view: OnnxView, g: ir.Graph, low_ir: ir.DataType,
+                inferred: dict[str, int | None]) -> None:
     values = [*g.inputs, *g.initializers.values()]
     values += [v for node in g for v in node.outputs]
     for v in values:
         if is_candidate(v, low_ir) and not view.graph.has_value(v):
-            view.graph.add_value(v, name=v.name or "", nbytes=value_nbytes(v))
+            view.graph.add_value(v, name=v.name or "", nbytes=value_nbytes(v, inferred))
 
 
 def _current(value: ir.Value, low_ir: ir.DataType) -> Precision:
