@@ -47,12 +47,6 @@ class PrecisionPlan:
     def precision(self, group: Hashable) -> Precision:
         return self.decisions[group].precision
 
-    def counts(self) -> dict[Precision, int]:
-        out = dict.fromkeys(Precision, 0)
-        for d in self.decisions.values():
-            out[d.precision] += 1
-        return out
-
 
 def plan_precision(graph: PrecisionGraph, rules: RuleSet, *, keep_fp32: Iterable[str] = (),
                    pins: Mapping[Hashable, str] | None = None,

@@ -6,7 +6,7 @@ so running the pass on its own output reports ``modified=False``.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import onnx_ir as ir
@@ -100,9 +100,3 @@ def infer_missing_types(model: ir.Model) -> None:
     for g in walk_graphs(model.graph):
         for n in g:
             infer_output_dtypes(n, node_opset(n, opsets))
-
-
-def node_names(model: ir.Model) -> Sequence[str]:
-    from amp_rewrite.onnx.view import walk_graphs
-
-    return [n.name for g in walk_graphs(model.graph) for n in g if n.name]

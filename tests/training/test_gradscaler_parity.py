@@ -37,10 +37,11 @@ def _changed(before: list[torch.Tensor], model: nn.Module) -> bool:
     return any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
 
 
-def run_gradscaler(opt_name: str, accum: int, clip: bool) -> Trace:
+def _scaler_loop(make_scaler, opt_name: str, accum: int, clip: bool) -> Trace:
+    """The standard GradScaler training loop, with the scaler ``make_scaler()`` returns."""
     model = make_model()
     opt = OPTIMIZERS[opt_name](list(model.parameters()))
-    scaler = torch.amp.GradScaler("cpu", growth_interval=GROWTH_INTERVAL)
+    scaler = make_scaler()
     scales, skipped = [], []
     for step in range(STEPS):
         for micro in range(accum):
@@ -58,30 +59,17 @@ def run_gradscaler(opt_name: str, accum: int, clip: bool) -> Trace:
             skipped.append(step)
         scales.append(scaler.get_scale())
     return Trace(scales, skipped, [p.detach() for p in model.parameters()])
+
+
+def run_gradscaler(opt_name: str, accum: int, clip: bool) -> Trace:
+    return _scaler_loop(lambda: torch.amp.GradScaler("cpu", growth_interval=GROWTH_INTERVAL),
+                        opt_name, accum, clip)
 
 
 def run_loss_scaler(opt_name: str, accum: int, clip: bool) -> Trace:
     """LossScaler swapped in for GradScaler in the very same loop."""
-    model = make_model()
-    opt = OPTIMIZERS[opt_name](list(model.parameters()))
-    scaler = LossScaler("cpu", growth_interval=GROWTH_INTERVAL)
-    scales, skipped = [], []
-    for step in range(STEPS):
-        for micro in range(accum):
-            loss = loss_of(model, step, micro)
-            scaler.scale(loss / accum if accum > 1 else loss).backward()
-            inject(model[0].weight, step, micro, accum)
-        if clip:
-            scaler.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-        before = [p.detach().clone() for p in model.parameters()]
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-        if not _changed(before, model):
-            skipped.append(step)
-        scales.append(scaler.get_scale())
-    return Trace(scales, skipped, [p.detach() for p in model.parameters()])
+    return _scaler_loop(lambda: LossScaler("cpu", growth_interval=GROWTH_INTERVAL),
+                        opt_name, accum, clip)
 
 
 def run_amp_optimizer(opt_name: str, accum: int, clip: bool) -> Trace:
