@@ -12,6 +12,12 @@ anchors (has a dimension) and whose producer is fixed HIGH, c running HIGH reads
 dtype it comes, and c's edge c→b is left out; c running LOW still needs v LOW. This only removes
 terms, so the cut stays exact (``free_reads``).
 
+A free read whose anchor is itself free (a residual stream that may run fp32) would make a
+three-way term, not a cut. ``promotion_candidates`` lists those reads and ``justified_reads``
+keeps the ones a labelling actually anchors; ``plan.plan_precision`` solves with the optimistic
+set, drops the unjustified reads until the labelling is consistent, and keeps the result only
+if its true cast bytes are lower than the exact answer's under fixed anchors.
+
 Each free group that would save memory traffic in low precision gets an edge g→t whose capacity
 is its traffic times (β·CAST_WEIGHT + 1), cast bytes being weighted by ``CAST_WEIGHT``: with the
 default β = 0 traffic only breaks ties between placements with the same cast bytes. networkx returns the source side reachable in the residual
@@ -124,6 +130,28 @@ def free_reads(graph: PrecisionGraph, fixed: dict[Hashable, Precision]) -> FreeR
                    and fixed.get(graph._producer.get(u)) is Precision.HIGH]
         free.extend((v, key) for v in reads if any(u != v for u in anchors))
     return frozenset(free)
+
+
+def promotion_candidates(graph: PrecisionGraph) -> FreeReads:
+    """Every read a promoting op could take for free, whatever its anchors turn out to be."""
+    free = []
+    for key, group in graph._groups.items():
+        if group.promotes:
+            reads = graph._inputs[key]
+            free.extend((v, key) for v in reads
+                        if any(u != v and graph._values[u].anchors for u in reads))
+    return frozenset(free)
+
+
+def justified_reads(graph: PrecisionGraph, labels: dict[Hashable, Precision],
+                    candidates: FreeReads) -> FreeReads:
+    """The candidates whose reader runs HIGH next to another anchoring input that is HIGH."""
+    def high(value: Hashable) -> bool:
+        producer = graph._producer.get(value)
+        return producer is None or labels[producer] is Precision.HIGH
+
+    return frozenset((v, g) for v, g in candidates if labels[g] is Precision.HIGH and any(
+        u != v and graph._values[u].anchors and high(u) for u in graph._inputs[g]))
 
 
 # A region in canonical form: free groups are numbered 0..n-1 and fixed neighbours appear as

@@ -63,11 +63,50 @@ def plan_precision(graph: PrecisionGraph, rules: RuleSet, *, keep_fp32: Iterable
     fixed = {k: f.precision for k, f in fixes.items()}
     free = placement.free_reads(graph, fixed)
     labels = placement.place(graph, fixed, savings_weight, free)
+    candidates = placement.promotion_candidates(graph)
+    if candidates:
+        labels = _with_free_anchors(graph, fixed, savings_weight, labels, candidates)
+        free = placement.justified_reads(graph, labels, candidates)
+    casts = plan_casts(graph, labels, free)
     decisions = {g.key: _decision(labels[g.key], classes[g.key], fixes.get(g.key))
                  for g in graph.groups()}
-    casts = plan_casts(graph, labels, free)
-    units = sum(graph.cost_units(c.value) for c in casts)
-    return PrecisionPlan(MappingProxyType(decisions), casts, units)
+    return PrecisionPlan(MappingProxyType(decisions), casts, _cast_units(graph, casts))
+
+
+_PROMOTION_ROUNDS = 8
+
+
+def _cast_units(graph: PrecisionGraph, casts: Iterable[CastPlan]) -> int:
+    return sum(graph.cost_units(c.value) for c in casts)
+
+
+def _true_units(graph: PrecisionGraph, labels: dict[Hashable, Precision],
+                candidates: placement.FreeReads) -> int:
+    """Cast bytes of a labelling, every read its labels anchor being free."""
+    free = placement.justified_reads(graph, labels, candidates)
+    return _cast_units(graph, plan_casts(graph, labels, free))
+
+
+def _with_free_anchors(graph: PrecisionGraph, fixed: dict[Hashable, Precision],
+                       savings_weight: float, exact: dict[Hashable, Precision],
+                       candidates: placement.FreeReads) -> dict[Hashable, Precision]:
+    """``exact``, or a labelling with fewer cast bytes once free (unfixed) anchors count.
+
+    Solve as if every promoting read were free, withdraw the reads the answer does not
+    anchor, and repeat until it is consistent (placement module docstring).
+    """
+    assumed = candidates
+    for _ in range(_PROMOTION_ROUNDS):
+        labels = placement.place(graph, fixed, savings_weight, assumed)
+        justified = placement.justified_reads(graph, labels, assumed)
+        used = {(v, g) for v, g in assumed if labels[g] is Precision.HIGH
+                and labels.get(graph.producer(v)) is Precision.LOW}
+        if used <= justified:
+            better = (_true_units(graph, labels, candidates)
+                      < _true_units(graph, exact, candidates))
+            return labels if better else exact
+        assumed = assumed - (used - justified)
+    return exact
 
 
 def _decision(precision: Precision, op_class: OpClass, fix: constraints.Fix | None) -> Decision:

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 
 from amp_rewrite.core import LowDtype, load_rules
+from amp_rewrite.core.rules import default_rules_path
+from amp_rewrite.fx.fusion import FuseTanhGelu
 from amp_rewrite.core.runtime import gc_paused
 from amp_rewrite.errors import UsageError
 from amp_rewrite.fx.capture import capture as capture_module
@@ -34,14 +36,19 @@ def rewrite(model: torch.nn.Module, example_inputs: Any = None, *,
             example_kwargs: Mapping[str, Any] | None = None,
             dtype: torch.dtype | str = torch.float16, capture: str = "export",
             dynamic_shapes: Any = None, rules: Iterable[str] = (),
-            keep_fp32: Iterable[str] = (), keep_io_types: bool = True) -> torch.fx.GraphModule:
+            keep_fp32: Iterable[str] = (), keep_io_types: bool = True,
+            device: str | None = None, autocast_floor: bool = True) -> torch.fx.GraphModule:
     """Capture ``model`` and return a trainable mixed-precision ``GraphModule``.
 
     ``dtype``: torch.float16 / torch.bfloat16 (or 'fp16' / 'bf16'). ``capture``: 'export'
     (default) or 'symbolic_trace'; a GraphModule is taken as is (``example_inputs`` only needed
     when its nodes carry no ``meta['val']``). ``dynamic_shapes``: passed to
     ``torch.export.export``. ``rules``: extra rule files. ``keep_fp32``: fnmatch patterns on node
-    names or module paths kept fp32. ``keep_io_types``: outputs keep their dtypes.
+    names or module paths kept fp32. ``keep_io_types``: outputs keep their dtypes. ``device``:
+    device type the result will run on ('cuda', 'cpu'); default: that of the example values.
+    On 'cpu' the packaged ``torch_cpu.toml`` overlay applies (see ``rewrite_graph``).
+    ``autocast_floor``: never run an op lower than ``torch.autocast`` would (``fx/floor.py``);
+    False leaves those ops to the min cut alone (fewer cast bytes, larger error).
     The user's module is never mutated; the result owns copies of its parameters.
     """
     if example_inputs is None and not isinstance(model, torch.fx.GraphModule):
@@ -51,31 +58,53 @@ def rewrite(model: torch.nn.Module, example_inputs: Any = None, *,
                         example_kwargs, mode=capture, dynamic_shapes=dynamic_shapes)
     captured = time.perf_counter()
     gm = rewrite_graph(gm, dtype=dtype, rules=rules, keep_fp32=keep_fp32,
-                       keep_io_types=keep_io_types)
+                       keep_io_types=keep_io_types, device=device,
+                       autocast_floor=autocast_floor)
     gm.amp_report["capture_seconds"] = round(captured - start, 4)
     return gm
 
 
 def rewrite_graph(gm: torch.fx.GraphModule, *, dtype: torch.dtype | str = torch.float16,
                   rules: Iterable[str] = (), keep_fp32: Iterable[str] = (),
-                  keep_io_types: bool = True) -> torch.fx.GraphModule:
-    """Run the passes on a captured GraphModule (``meta['val']`` on its nodes), in place."""
+                  keep_io_types: bool = True, device: str | None = None,
+                  autocast_floor: bool = True) -> torch.fx.GraphModule:
+    """Run the passes on a captured GraphModule (``meta['val']`` on its nodes), in place.
+
+    ``device`` (default: the device type of the graph's example values) selects kernel facts:
+    on 'cpu' the ``torch_cpu.toml`` overlay moves to gray the ops CPU kernels compute in fp32
+    internally (norms, softmax, interpolation: CPU autocast runs them low too), norms read
+    fp32 weights with low data, and ``softmax(dtype=float32)`` counts its input conversion.
+    """
     low = LowDtype.parse(dtype)
-    options = MixedPrecisionOptions(load_rules("torch", extra_files=list(rules)),
+    device = device or graph_device(gm)
+    overlays = [default_rules_path("torch_cpu")] if device == "cpu" else []
+    options = MixedPrecisionOptions(load_rules("torch", extra_files=[*overlays, *rules]),
                                     _TORCH_DTYPES[low], low.max_finite, tuple(keep_fp32),
-                                    keep_io_types)
+                                    keep_io_types, device, autocast_floor)
     start = time.perf_counter()
     with gc_paused():
-        if InlineModules()(gm).modified:
+        inlined = InlineModules()(gm).modified
+        fused = FuseTanhGelu()(gm).modified
+        if inlined or fused:
             refresh_fake_values(gm)
         FunctionalizeInPlace()(gm)
         amp = MixedPrecisionPass(options)
         amp(gm)
     gm.meta[EXPLAIN_KEY] = amp.explanations()
-    gm.amp_report = {**amp.report(), "seconds": round(time.perf_counter() - start, 4)}
+    gm.amp_report = {**amp.report(), "device": device,
+                     "seconds": round(time.perf_counter() - start, 4)}
     for note in gm.amp_report["notes"]:
         log.warning("%s", note)
     return gm
+
+
+def graph_device(gm: torch.fx.GraphModule) -> str:
+    """Device type of the first tensor among the graph's example values, else of its params."""
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            return val.device.type
+    return next((p.device.type for p in gm.parameters()), "cpu")
 
 
 def explain(gm: torch.fx.GraphModule, node_name: str) -> list[str]:

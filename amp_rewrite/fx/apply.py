@@ -9,17 +9,20 @@ _assert_tensor_metadata`` checks that export inserted are updated to the rewritt
 """
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
 from torch.fx import Node
+from torch.fx.node import map_aggregate
 
 from amp_rewrite.core import Precision, PrecisionPlan
 from amp_rewrite.errors import AmpRewriteError
 from amp_rewrite.fx import opkeys
-from amp_rewrite.fx.view import CAST_TAG, FxView, Port, is_cast, resolve
+from amp_rewrite.fx.view import (CAST_TAG, FxView, Port, float_scalars, is_cast, is_sentinel,
+                                 resolve)
 
 _SHORT = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 _ASSERT_METADATA = torch.ops.aten._assert_tensor_metadata.default
@@ -50,7 +53,7 @@ def apply_plan(gm: torch.fx.GraphModule, view: FxView, plan: PrecisionPlan) -> A
     targets, inserted = _cast_targets(graph, view, plan, existing, promoted)
     rewired = sum(_rewire(port, targets.get((group, port.value), port.value))
                   for group, ports in view.ports.items() for port in ports)
-    retyped = _retype_conversions(view, plan)
+    retyped = _retype_conversions(view, plan) + _retarget_sentinels(view, plan)
     updated = _sync_metadata_asserts(graph, view, plan)
     removed = _erase_unused_casts(graph)
     graph.lint()
@@ -112,6 +115,27 @@ def _retype_conversions(view: FxView, plan: PrecisionPlan) -> int:
             opkeys.set_explicit_dtype(info.node, want)
             retyped += 1
     return retyped
+
+
+def _retarget_sentinels(view: FxView, plan: PrecisionPlan) -> int:
+    """``±finfo(float32).max`` scalars of ops planned low become ``±finfo(low).max``."""
+    low_max = torch.finfo(view.low).max
+
+    def retarget(arg: object) -> object:
+        if isinstance(arg, float) and is_sentinel(arg):
+            return math.copysign(low_max, arg)
+        return arg
+
+    retargeted = 0
+    for info in view.graph.groups():
+        node = info.node
+        if not isinstance(node, Node) or plan.precision(info.key) is not Precision.LOW or not any(
+                is_sentinel(x) for x in float_scalars(node)):
+            continue
+        node.args = map_aggregate(node.args, retarget)
+        node.kwargs = map_aggregate(node.kwargs, retarget)
+        retargeted += 1
+    return retargeted
 
 
 def insert_cast(graph: torch.fx.Graph, value: Node, dtype: torch.dtype) -> Node:

@@ -29,6 +29,7 @@ from amp_rewrite.core import (Precision, PrecisionPlan, RuleSet, explain_chain,
 from amp_rewrite.core.report import node_records, precision_counts, unlisted_ops
 from amp_rewrite.fx import opkeys
 from amp_rewrite.fx.apply import ApplyResult, apply_plan, check_applied, retype_values
+from amp_rewrite.fx.floor import autocast_pins
 from amp_rewrite.fx.view import FxView, alias_set, build_view, resolve
 
 log = logging.getLogger(__name__)
@@ -165,6 +166,8 @@ class MixedPrecisionOptions:
     max_finite: float
     keep_fp32: Sequence[str] = ()
     keep_io_types: bool = True
+    device: str = "cuda"  # device type the model runs on: kernel facts in the view
+    autocast_floor: bool = True  # never lower precision than torch.autocast (fx/floor.py)
 
 
 class MixedPrecisionPass(PassBase):
@@ -203,8 +206,11 @@ class MixedPrecisionPass(PassBase):
         opts = self.options
         view = build_view(gm, opts.low, max_finite=opts.max_finite,
                           keep_io_types=opts.keep_io_types,
-                          keep_fp32_modules=list(opts.keep_fp32), kept_conversions=kept)
-        return view, plan_precision(view.graph, opts.rules, keep_fp32=opts.keep_fp32)
+                          keep_fp32_modules=list(opts.keep_fp32), kept_conversions=kept,
+                          device=opts.device)
+        pins = autocast_pins(view.graph, opts.rules) if opts.autocast_floor else None
+        return view, plan_precision(view.graph, opts.rules, keep_fp32=opts.keep_fp32,
+                                    pins=pins)
 
     def ensures(self, graph_module: torch.fx.GraphModule) -> None:
         if self.view is not None and self.plan is not None:

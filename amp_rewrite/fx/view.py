@@ -9,12 +9,17 @@ and outputs, because an ATen op computes in the dtype of its floating arguments.
   reads either precision), the output is fixed to the dtype the model asked for;
 * ``type_as``: the output follows the second tensor, so they share a group;
 * batch norm: the data runs in either precision, the affine parameters and running statistics
-  stay fp32 (cuDNN and the CPU kernels take them in fp32 for low inputs);
+  stay fp32 (cuDNN and the CPU kernels take them in fp32 for low inputs); layer and group norm
+  on CPU likewise (the CPU kernels take fp32 affine parameters with low data; the CUDA kernels
+  do not, so there weight and bias follow the data);
 * type promotion: a single-group op in ``opkeys.PROMOTING`` is marked ``promotes`` and a value
   with a dimension ``anchors``, so the core reads the other inputs of such an op for free when it
   runs fp32 next to an input fixed fp32 (``add(x_fp16, y_fp32)`` upcasts inside the kernel);
 * modules with their own parameters that were not inlined, float scalars outside the low
-  range, tensors written in place: fixed at their original precision.
+  range, tensors written in place: fixed at their original precision. Exception: the scalar
+  ``±torch.finfo(torch.float32).max``, the "most negative value" sentinel of attention masks,
+  which code written for any dtype spells ``torch.finfo(dtype).min``; an op planned low gets
+  the low dtype's sentinel instead (``apply``), as the model would have built it in that dtype.
 
 Integer, boolean and float64 tensors are not values at all: they are never cast. Casts this
 package inserted earlier (tagged in ``node.meta``) are transparent, so a second run sees the
@@ -40,6 +45,11 @@ ArgPath = tuple  # ("args", i[, j]) or ("kwargs", name[, j])
 _BATCH_NORMS = frozenset({"batch_norm", "native_batch_norm", "_native_batch_norm_legit",
                           "_native_batch_norm_legit_no_training",
                           "_native_batch_norm_legit_functional"})
+# Ops whose CPU kernels convert a low input to their dtype argument with a separate kernel
+# (on CUDA, softmax's half_to_float path reads it in place).
+_CPU_CONVERTS_INPUT = frozenset({"softmax", "log_softmax"})
+# Norms whose CPU kernels accept fp32 weight/bias with low data ("mixed type"); single output.
+_CPU_MIXED_NORMS = frozenset({"layer_norm", "group_norm"})
 
 
 @dataclass(frozen=True)
@@ -131,6 +141,14 @@ def _has_tensor(val: object) -> bool:
     return isinstance(val, torch.Tensor)
 
 
+FP32_SENTINEL = torch.finfo(torch.float32).max
+
+
+def is_sentinel(x: float) -> bool:
+    """``±finfo(float32).max``: a dtype's extreme value, not a magnitude (module docstring)."""
+    return abs(x) == FP32_SENTINEL
+
+
 def float_scalars(node: Node) -> Iterator[float]:
     def walk(arg: object) -> Iterator[float]:
         if isinstance(arg, float):
@@ -161,8 +179,9 @@ class _Builder:
 
     def __init__(self, gm: torch.fx.GraphModule, low: torch.dtype, max_finite: float,
                  keep_io_types: bool, keep_fp32_modules: list[str],
-                 kept_conversions: Mapping[Node, str]) -> None:
+                 kept_conversions: Mapping[Node, str], device: str) -> None:
         self.gm, self.low = gm, low
+        self.on_cpu = device == "cpu"  # kernel facts differ between CPU and CUDA
         self.kept_conversions = kept_conversions
         self.max_finite = max_finite
         self.keep_io_types = keep_io_types
@@ -209,8 +228,13 @@ class _Builder:
             return [_GroupSpec(node, "in", key, ports[:1], op_class=OpClass.CLEAR),
                     _GroupSpec(node, "out", key, ports[1:], outputs)]
         if key in _BATCH_NORMS and len(ports) > 1:
-            return self._batch_norm(node, key, ports, outputs)
+            return self._norm_with_fp32_params(node, key, ports, outputs, "batch norm")
+        if key in _CPU_MIXED_NORMS and len(ports) > 1 and self.on_cpu:
+            return self._norm_with_fp32_params(node, key, ports, outputs, f"{key} on CPU")
         spec = _GroupSpec(node, "T", key, ports, outputs)
+        if not ports:  # where(mask, 0.0, -1e4): nothing to follow, and no dtype to retype
+            spec.fix(self.precision_of(outputs[0]), "no floating-point tensor input and no "
+                                                    "dtype argument: torch's default decides")
         self._fix_special(spec)
         return [spec]
 
@@ -218,7 +242,11 @@ class _Builder:
                     dtype: torch.dtype) -> list[_GroupSpec]:
         specs = []
         if ports:
-            specs.append(_GroupSpec(node, "in", key, ports, op_class=OpClass.CLEAR))
+            spec = _GroupSpec(node, "in", key, ports, op_class=OpClass.CLEAR)
+            if key in _CPU_CONVERTS_INPUT and dtype in self.precisions and self.on_cpu:
+                spec.fix(self.precisions[dtype], f"{key} on CPU converts its input to {dtype} "
+                                                 "with a separate kernel")
+            specs.append(spec)
         if outputs:
             out = _GroupSpec(node, "out", key, outputs=outputs, op_class=OpClass.CLEAR)
             if node in self.kept_conversions:
@@ -232,12 +260,13 @@ class _Builder:
             specs.append(out)
         return specs
 
-    def _batch_norm(self, node: Node, key: str, ports: list[Port],
-                    outputs: list[Node]) -> list[_GroupSpec]:
+    def _norm_with_fp32_params(self, node: Node, key: str, ports: list[Port],
+                    outputs: list[Node], kernel: str) -> list[_GroupSpec]:
+        """Data in either precision; parameters (and running statistics) fixed fp32."""
         data = _GroupSpec(node, "T", key, ports[:1], outputs)
         params = _GroupSpec(node, "params", key, ports[1:], op_class=OpClass.CLEAR)
-        params.fix(Precision.HIGH, "batch norm takes fp32 affine parameters and running "
-                                   "statistics with data in either precision")
+        params.fix(Precision.HIGH, f"{kernel} takes fp32 affine parameters (and running "
+                                   "statistics) with data in either precision")
         self._fix_special(data)
         return [data, params]
 
@@ -246,7 +275,8 @@ class _Builder:
         if node.op == "call_module":
             self._fix_module(spec)
         for x in float_scalars(node):
-            if math.isfinite(x) and abs(x) > self.max_finite and spec.fixed is None:
+            if (math.isfinite(x) and abs(x) > self.max_finite and not is_sentinel(x)
+                    and spec.fixed is None):
                 # Its output may hold the scalar too: a deny source, so following gray/clear
                 # ops keep it high as well (DESIGN §2).
                 spec.fix(Precision.HIGH, f"scalar argument {x:g} is outside the {self.low} "
@@ -386,11 +416,13 @@ def alias_set(value: Node, gm: torch.fx.GraphModule) -> set[Node]:
 
 def build_view(gm: torch.fx.GraphModule, low: torch.dtype, *, max_finite: float,
                keep_io_types: bool = True, keep_fp32_modules: list[str] | None = None,
-               kept_conversions: Mapping[Node, str] | None = None) -> FxView:
+               kept_conversions: Mapping[Node, str] | None = None,
+               device: str = "cuda") -> FxView:
     """The PrecisionGraph of ``gm`` for target dtype ``low`` (float16 or bfloat16).
 
     ``kept_conversions``: the model's own fp32 conversions to keep fp32 (node → reason);
     other fp32 conversions and factories are free, and retyped low when planned low.
+    ``device``: the device type the model will run on ('cuda', 'cpu', ...).
     """
     return _Builder(gm, low, max_finite, keep_io_types, keep_fp32_modules or [],
-                    kept_conversions or {}).build()
+                    kept_conversions or {}, device).build()

@@ -27,21 +27,6 @@ TOL = {torch.float16: 5e-2, torch.bfloat16: 2.5e-1}
 AUTOCAST_FACTOR = 1.5
 LOW = [torch.float16, torch.bfloat16]
 
-# CPU autocast runs layer_norm, softmax, pow and rsqrt in low precision (its CPU fp32 list is
-# short); our rules deny them as CUDA autocast does, and entering and leaving each such fp32
-# island costs conversions CPU autocast does not execute. On these models that outweighs what
-# shared casts save. See the README's torch section.
-MORE_CONVERSIONS_THAN_CPU_AUTOCAST = {
-    "albert": "gelu_new's pow(x, 3) is deny: an fp32 island, two casts per layer",
-    "gpt2": "gelu_new's pow(x, 3) is deny: an fp32 island, two casts per layer",
-    "swin": "layer_norm is deny: two casts per norm",
-    "convnext": "layer_norm is deny: two casts per norm; a layer_scale after a low residual "
-                "is cast (mul's output is no fixed anchor for the add)",
-    "wav2vec2": "layer_norm/group_norm are deny: two casts per norm",
-    "segformer": "layer_norm is deny: two casts per norm",
-}
-
-
 @pytest.fixture(scope="module")
 def rewritten(zoo_capture):
     """(ZooModel, {dtype: rewritten GraphModule}) per zoo model, rewritten once per dtype."""
@@ -87,9 +72,6 @@ def test_error_within_tolerance_and_close_to_autocast(rewritten, name, dtype):
 @pytest.mark.parametrize("dtype", LOW, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("name", zoo.NAMES)
 def test_conversions_executed_at_most_autocasts(rewritten, name, dtype, request):
-    if name in MORE_CONVERSIONS_THAN_CPU_AUTOCAST:
-        request.applymarker(pytest.mark.xfail(
-            reason=MORE_CONVERSIONS_THAN_CPU_AUTOCAST[name], strict=True))
     model, by_dtype = rewritten(name)
     result = compare_with_autocast(model.module, by_dtype[dtype], model.args, model.kwargs, dtype)
     assert result.conversions <= result.autocast_conversions
