@@ -101,3 +101,15 @@ def test_explicit_dtype_of_conversions_and_factories():
 class _Conversions(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple:
         return x.to(torch.float64), torch.zeros(2, dtype=torch.float16), x + 1
+
+
+def test_cpu_overlay_only_relaxes_ops_the_cuda_lists_deny():
+    """rules/torch_cpu.toml moves fp32-computing CPU kernels from deny to gray, nothing else."""
+    from amp_rewrite.core import parse_rule_file
+    from amp_rewrite.core.rules import default_rules_path
+
+    base = load_rules("torch", env={})
+    overlay = parse_rule_file(default_rules_path("torch_cpu"))
+    assert overlay and {e.op_class.value for e in overlay} == {"gray"}
+    assert all(base.class_of(e.op).value == "deny" for e in overlay)
+    assert all(e.reason for e in overlay)
