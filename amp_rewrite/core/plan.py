@@ -3,7 +3,9 @@
 ``plan_precision`` is pure: it reads a PrecisionGraph and returns an immutable PrecisionPlan in
 which every group has a precision and a reason, and every value that some consumer needs in the
 other precision has exactly one CastPlan per target precision. A HIGH promoting consumer reading
-a value for free (``placement.free_reads``) needs no cast of it.
+a value for free (``placement.free_reads``) needs no cast of it. Where that depends on an anchor
+the cut itself decides, ``_with_free_anchors`` keeps a consistent optimistic answer only if its
+true cast bytes are lower, so the plan is exact with fixed anchors and never worse otherwise.
 """
 from __future__ import annotations
 
