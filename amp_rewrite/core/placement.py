@@ -116,22 +116,6 @@ def traffic_weight(savings_weight: float) -> int:
 FreeReads = frozenset[tuple[Hashable, Hashable]]  # (value, consumer group) pairs
 
 
-def free_reads(graph: PrecisionGraph, fixed: dict[Hashable, Precision]) -> FreeReads:
-    """Reads that need no upcast when the reader runs HIGH (module docstring, *free reads*).
-
-    Only producers in ``fixed`` count as anchors: their precision is known before the cut.
-    """
-    free = []
-    for key, group in graph._groups.items():
-        if not group.promotes:
-            continue
-        reads = graph._inputs[key]
-        anchors = [u for u in reads if graph._values[u].anchors
-                   and fixed.get(graph._producer.get(u)) is Precision.HIGH]
-        free.extend((v, key) for v in reads if any(u != v for u in anchors))
-    return frozenset(free)
-
-
 def promotion_candidates(graph: PrecisionGraph) -> FreeReads:
     """Every read a promoting op could take for free, whatever its anchors turn out to be."""
     free = []
@@ -143,15 +127,30 @@ def promotion_candidates(graph: PrecisionGraph) -> FreeReads:
     return frozenset(free)
 
 
+def free_reads(graph: PrecisionGraph, fixed: dict[Hashable, Precision],
+               candidates: FreeReads | None = None) -> FreeReads:
+    """Reads that need no upcast when the reader runs HIGH (module docstring, *free reads*).
+
+    Only producers in ``fixed`` count as anchors: their precision is known before the cut.
+    """
+    if candidates is None:
+        candidates = promotion_candidates(graph)
+    return _anchored(graph, candidates,
+                     lambda u: fixed.get(graph._producer.get(u)) is Precision.HIGH)
+
+
 def justified_reads(graph: PrecisionGraph, labels: dict[Hashable, Precision],
                     candidates: FreeReads) -> FreeReads:
     """The candidates whose reader runs HIGH next to another anchoring input that is HIGH."""
-    def high(value: Hashable) -> bool:
-        producer = graph._producer.get(value)
-        return producer is None or labels[producer] is Precision.HIGH
+    readers_high = [(v, g) for v, g in candidates if labels[g] is Precision.HIGH]
+    return _anchored(graph, readers_high, lambda u: labels.get(
+        graph._producer.get(u), Precision.HIGH) is Precision.HIGH)
 
-    return frozenset((v, g) for v, g in candidates if labels[g] is Precision.HIGH and any(
-        u != v and graph._values[u].anchors and high(u) for u in graph._inputs[g]))
+
+def _anchored(graph: PrecisionGraph, reads, is_high) -> FreeReads:
+    """The reads (v, g) where g has another anchoring input u with ``is_high(u)``."""
+    return frozenset((v, g) for v, g in reads if any(
+        u != v and graph._values[u].anchors and is_high(u) for u in graph._inputs[g]))
 
 
 # A region in canonical form: free groups are numbered 0..n-1 and fixed neighbours appear as

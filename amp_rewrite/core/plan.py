@@ -63,9 +63,9 @@ def plan_precision(graph: PrecisionGraph, rules: RuleSet, *, keep_fp32: Iterable
     fixes.update({k: constraints.Fix(Precision.HIGH, why) for k, why in (pins or {}).items()})
     fixes.update(constraints.deny_propagation(graph, classes, fixes))
     fixed = {k: f.precision for k, f in fixes.items()}
-    free = placement.free_reads(graph, fixed)
-    labels = placement.place(graph, fixed, savings_weight, free)
     candidates = placement.promotion_candidates(graph)
+    free = placement.free_reads(graph, fixed, candidates)
+    labels = placement.place(graph, fixed, savings_weight, free)
     if candidates:
         labels = _with_free_anchors(graph, fixed, savings_weight, labels, candidates)
         free = placement.justified_reads(graph, labels, candidates)

@@ -16,11 +16,11 @@ import torch
 
 from amp_rewrite.core import LowDtype, load_rules
 from amp_rewrite.core.rules import default_rules_path
-from amp_rewrite.fx.fusion import FuseTanhGelu
 from amp_rewrite.core.runtime import gc_paused
 from amp_rewrite.errors import UsageError
 from amp_rewrite.fx.capture import capture as capture_module
 from amp_rewrite.fx.capture import refresh_fake_values
+from amp_rewrite.fx.fusion import FuseTanhGelu
 from amp_rewrite.fx.passes import (FunctionalizeInPlace, InlineModules, MixedPrecisionOptions,
                                    MixedPrecisionPass)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 
 from amp_rewrite.core import OpClass, Precision, PrecisionGraph, RuleSet
+from amp_rewrite.core.constraints import classify_groups
 from amp_rewrite.fx import opkeys
 
 _LOW_CLASSES = {OpClass.ALLOW}
@@ -31,21 +32,21 @@ _HIGH_CLASSES = {OpClass.DENY}
 
 def autocast_pins(graph: PrecisionGraph, rules: RuleSet) -> dict[Hashable, str]:
     """Group key → reason, for the free groups autocast would run in fp32."""
+    classes = classify_groups(graph, rules)
     replayed: dict[Hashable, Precision] = {}
     pins: dict[Hashable, str] = {}
     for group in graph.groups():  # insertion order is the fx graph's topological order
-        precision, reason = _replay(graph, group, rules, replayed)
+        precision, reason = _replay(graph, group, classes[group.key], replayed)
         replayed[group.key] = precision
         if reason and group.fixed is None and graph.outputs(group.key):
             pins[group.key] = reason
     return pins
 
 
-def _replay(graph: PrecisionGraph, group, rules: RuleSet,
+def _replay(graph: PrecisionGraph, group, op_class: OpClass,
             replayed: dict[Hashable, Precision]) -> tuple[Precision, str]:
     if group.fixed is not None:
         return group.fixed, ""
-    op_class = group.op_class or rules.class_of(group.op_key)
     if op_class in _LOW_CLASSES:
         return Precision.LOW, ""
     if op_class in _HIGH_CLASSES:
