@@ -261,7 +261,7 @@ class _Builder:
         return specs
 
     def _norm_with_fp32_params(self, node: Node, key: str, ports: list[Port],
-                    outputs: list[Node], kernel: str) -> list[_GroupSpec]:
+                               outputs: list[Node], kernel: str) -> list[_GroupSpec]:
         """Data in either precision; parameters (and running statistics) fixed fp32."""
         data = _GroupSpec(node, "T", key, ports[:1], outputs)
         params = _GroupSpec(node, "params", key, ports[1:], op_class=OpClass.CLEAR)

@@ -36,6 +36,13 @@ def with_weights(model: onnx.ModelProto, rng, scale=1.0) -> onnx.ModelProto:
     return model
 
 
+def rewritten(fp32: onnx.ModelProto, **options) -> onnx.ModelProto:
+    """``rewrite_onnx`` output that passes the full checker (every test needs both)."""
+    mixed = rewrite_onnx(fp32, **options)
+    onnx.checker.check_model(mixed, full_check=True)
+    return mixed
+
+
 def check_close(fp32, mixed, feeds, rtol=2e-2):
     ref, got = run_reference(fp32, feeds), run_reference(mixed, feeds)
     for r, g in zip(ref, got):
@@ -46,8 +53,7 @@ def check_close(fp32, mixed, feeds, rtol=2e-2):
 
 def test_mlp_runs_low_with_two_casts(rng):
     fp32 = with_weights(parse(MLP), rng)
-    mixed = rewrite_onnx(fp32)
-    onnx.checker.check_model(mixed, full_check=True)
+    mixed = rewritten(fp32)
     assert ops(mixed) == ["Cast", "MatMul", "Relu", "MatMul", "Cast"]
     assert all(i.data_type == F16 for i in mixed.graph.initializer)
     assert [i.name for i in mixed.graph.input] == ["x"] and mixed.graph.output[0].name == "y"
@@ -65,8 +71,7 @@ def test_second_run_changes_nothing(rng):
 
 def test_bf16_target(rng):
     fp32 = with_weights(parse(MLP), rng)
-    mixed = rewrite_onnx(fp32, dtype="bf16")
-    onnx.checker.check_model(mixed, full_check=True)
+    mixed = rewritten(fp32, dtype="bf16")
     assert cast_targets(mixed) == [BF16, F32]
     check_close(fp32, mixed, {"x": rng.standard_normal((2, 8)).astype(np.float32)}, rtol=5e-2)
 
@@ -96,8 +101,7 @@ def test_graph_output_that_feeds_nodes_keeps_name_and_dtype(rng):
         y = MatMul(h, w2)
     }""")
     fp32 = with_weights(model, rng)
-    mixed = rewrite_onnx(fp32)
-    onnx.checker.check_model(mixed, full_check=True)
+    mixed = rewritten(fp32)
     assert [o.name for o in mixed.graph.output] == ["h", "y"]
     assert all(o.type.tensor_type.elem_type == F32 for o in mixed.graph.output)
     assert cast_targets(mixed).count(F32) == 2  # h and y leave as fp32, h still feeds w2 low
@@ -115,8 +119,7 @@ def test_batchnorm_type_variables_follow_the_data(rng):
     fp32 = with_weights(model, rng)
     v = next(i for i in fp32.graph.initializer if i.name == "v")
     v.CopyFrom(onnx.numpy_helper.from_array(np.abs(onnx.numpy_helper.to_array(v)) + 0.5, "v"))
-    mixed = rewrite_onnx(fp32)
-    onnx.checker.check_model(mixed, full_check=True)
+    mixed = rewritten(fp32)
     assert {i.name: i.data_type for i in mixed.graph.initializer} == dict.fromkeys("wsbmv", F16)
     check_close(fp32, mixed, {"x": rng.standard_normal((1, 4, 3, 3)).astype(np.float32)})
 
@@ -146,8 +149,7 @@ def test_resize_scales_stay_float32(rng):
     fp32 = with_weights(model, rng)
     sc = next(i for i in fp32.graph.initializer if i.name == "sc")
     sc.CopyFrom(onnx.numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "sc"))
-    mixed = rewrite_onnx(fp32)
-    onnx.checker.check_model(mixed, full_check=True)
+    mixed = rewritten(fp32)
     inits = {i.name: i.data_type for i in mixed.graph.initializer}
     assert inits["sc"] == F32 and inits["w"] == F16
     check_close(fp32, mixed, {"x": rng.standard_normal((1, 2, 4, 4)).astype(np.float32)})
@@ -163,8 +165,7 @@ def test_model_cast_from_int_is_retyped_not_duplicated(rng):
         y = Add(h, s)
     }""")
     fp32 = with_weights(model, rng)
-    mixed = rewrite_onnx(fp32)
-    onnx.checker.check_model(mixed, full_check=True)
+    mixed = rewritten(fp32)
     own = next(n for n in mixed.graph.node if n.op_type == "Cast" and n.input[0] == "ids")
     assert own.attribute[0].i == F16  # retyped: its readers are low
     feeds = {"ids": rng.integers(0, 5, (2, 8)), "x": rng.standard_normal((2, 8)).astype(np.float32)}
@@ -181,8 +182,7 @@ def test_constant_of_shape_value_is_retyped(rng):
         y = MatMul(y2, w)
     }""")
     fp32 = with_weights(model, rng)
-    mixed = rewrite_onnx(fp32)
-    onnx.checker.check_model(mixed, full_check=True)
+    mixed = rewritten(fp32)
     cos = next(n for n in mixed.graph.node if n.op_type == "ConstantOfShape")
     assert cos.attribute[0].t.data_type == F16
     check_close(fp32, mixed, {"x": rng.standard_normal((2, 8)).astype(np.float32)})
@@ -217,8 +217,7 @@ def test_if_branches_are_rewritten_and_capture_outer_values(rng):
         >
     }""")
     fp32 = with_weights(model, rng)
-    mixed = rewrite_onnx(fp32)
-    onnx.checker.check_model(mixed, full_check=True)
+    mixed = rewritten(fp32)
     then = next(n for n in mixed.graph.node if n.op_type == "If").attribute
     branch = {a.name: a.g for a in then}["then_branch"]
     assert [n.op_type for n in branch.node] == ["MatMul", "Cast"]  # low GEMM, fp32 out
