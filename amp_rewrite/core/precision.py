@@ -10,6 +10,10 @@ class Precision(enum.Enum):
     HIGH = "high"  # float32
     LOW = "low"  # the target: float16 or bfloat16
 
+    # Members are singletons compared by identity; Enum's default hashes the name in Python,
+    # which the planner pays hundreds of thousands of times on a large model.
+    __hash__ = object.__hash__
+
     def other(self) -> Precision:
         return Precision.LOW if self is Precision.HIGH else Precision.HIGH
 
@@ -22,6 +26,8 @@ class OpClass(enum.Enum):
     GRAY = "gray"
     CLEAR = "clear"
     UNLISTED = "unlisted"
+
+    __hash__ = object.__hash__  # see Precision
 
 
 class LowDtype(enum.Enum):

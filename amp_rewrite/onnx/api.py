@@ -23,10 +23,18 @@ logger = logging.getLogger(__name__)
 @dataclass
 class RewriteResult:
     model: ir.Model
-    report: dict
     pass_: MixedPrecisionPass
     had_external_data: bool
+    seconds: float = 0.0
     _proto: onnx.ModelProto | None = None
+    _report: dict | None = None
+
+    @property
+    def report(self) -> dict:
+        """The ``--report`` JSON (built on first use: ``rewrite_onnx`` never needs it)."""
+        if self._report is None:
+            self._report = {**self.pass_.report(), "seconds": round(self.seconds, 3)}
+        return self._report
 
     def explain(self, node_name: str) -> list[str]:
         return self.pass_.explain(node_name)
@@ -60,10 +68,10 @@ def rewrite_onnx_model(source: str | os.PathLike | onnx.ModelProto, *,
                               pinned, savings_weight)
         pass_ = MixedPrecisionPass(options)
         pass_(model)
-        result = RewriteResult(model, pass_.report(), pass_, had_external)
-        if check and result.report["modified"]:
+        result = RewriteResult(model, pass_, had_external)
+        if check and pass_.stats.modified:
             _check_output(result)
-    result.report["seconds"] = round(time.perf_counter() - start, 3)
+    result.seconds = time.perf_counter() - start
     return result
 
 

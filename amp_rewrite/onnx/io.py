@@ -15,6 +15,7 @@ from amp_rewrite.errors import ModelError, UsageError
 logger = logging.getLogger(__name__)
 PROTOBUF_LIMIT = 2**31 - 1
 INFERRED_SIZES = "amp_rewrite.inferred_sizes"  # model.meta key: value name -> fp32 bytes
+UNTYPED_AT_LOAD = "amp_rewrite.untyped_at_load"  # model.meta key: node outputs with no type
 SYMBOLIC_DIM_EXTENT = 64  # nominal size of a symbolic dim (batch, sequence) for cast costs
 
 
@@ -49,9 +50,11 @@ def _with_inferred_facts(model: ir.Model, proto: onnx.ModelProto) -> ir.Model:
     value shapes, because parsing and re-serialising 50k inferred shapes doubled the cost of
     the onnx_ir round trip.
     """
-    known = {v.name for v in (*proto.graph.value_info, *proto.graph.output, *proto.graph.input)}
-    if all(o in known for n in proto.graph.node for o in n.output if o):
+    untyped = {v for g in model.graphs() for node in g for v in node.outputs
+               if v.name and v.type is None}
+    if not untyped:
         return model
+    model.meta[UNTYPED_AT_LOAD] = untyped
     try:
         inferred = onnx.shape_inference.infer_shapes(proto)
     except Exception as e:  # a partial answer is still better than none: keep going

@@ -14,7 +14,8 @@ import onnx_ir as ir
 from amp_rewrite.core import LowDtype, PrecisionPlan, RuleSet, load_rules, plan_precision
 from amp_rewrite.core.report import node_records, precision_counts, unlisted_ops
 from amp_rewrite.onnx.apply import ApplyStats, apply_plan
-from amp_rewrite.onnx.view import OnnxView, build_view
+from amp_rewrite.onnx import io
+from amp_rewrite.onnx.view import INSERTED_TAG, OnnxView, build_view
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
                                    keep_fp32=self.options.keep_fp32, pins=self._pins(),
                                    savings_weight=self.options.savings_weight)
         self.stats = apply_plan(model, self.view, self.plan)
+        _forget_load_time_types(model)
         return ir.passes.PassResult(model, modified=self.stats.modified)
 
     def _pins(self) -> dict:
@@ -100,3 +102,20 @@ def infer_missing_types(model: ir.Model) -> None:
     for g in walk_graphs(model.graph):
         for n in g:
             infer_output_dtypes(n, node_opset(n, opsets))
+
+
+def _forget_load_time_types(model: ir.Model) -> None:
+    """Node outputs the input left untyped go back to untyped, and so do casts of them.
+
+    The pass needs every dtype, so loading infers them; writing them all out as value_info
+    made a 50k-node output 25% slower to serialise and check, for information any runtime
+    infers again. The output describes its values as much as the input did.
+    """
+    untyped = model.meta.get(io.UNTYPED_AT_LOAD)
+    if not untyped:
+        return
+    casts = [u.node.outputs[0] for v in untyped for u in v.uses()
+             if u.node.op_type == "Cast" and INSERTED_TAG in u.node.metadata_props]
+    for v in (*untyped, *casts):
+        if not v.is_graph_output():
+            v.type, v.shape = None, None

@@ -44,7 +44,7 @@ class PortGroup:
     fixed_reason: str | None  # why the group cannot run low; None if it may
     retype_attribute: str | None = None  # attribute that sets the output dtype, if any
 
-    @property
+    @functools.cached_property  # port groups are cached and shared: computed once
     def label(self) -> str:
         return "" if self.tvars == ("*",) else ",".join(self.tvars)
 

@@ -121,19 +121,24 @@ def _add_sinks(view: OnnxView, g: ir.Graph, low_ir: ir.DataType, is_main: bool,
 
 
 def _add_node(view: OnnxView, node: ir.Node, opset: int, low_ir: ir.DataType) -> None:
-    if node.op_type == "Constant" and node.domain == "":
+    domain, op_type = node.domain, node.op_type
+    if op_type == "Constant" and domain == "":
         _add_constant(view, node, low_ir)
         return
-    tagged = node.metadata_props.get(INSERTED_TAG)
-    op_key = node.op_type if node.domain == "" else f"{node.domain}::{node.op_type}"
-    for index, pg in enumerate(port_groups(node, opset, view.low)):
-        values = [node.inputs[i] for i in pg.inputs] + [node.outputs[o] for o in pg.outputs]
-        fixed, reason = _group_fix(pg, values, low_ir, tagged)
+    groups = port_groups(node, opset, view.low)
+    if not groups:
+        return
+    tagged = INSERTED_TAG in node.metadata_props
+    op_key = op_type if domain == "" else f"{domain}::{op_type}"
+    inputs, outputs, name = node.inputs, node.outputs, node.name or ""
+    for index, pg in enumerate(groups):
+        reads = [inputs[i] for i in pg.inputs]
+        writes = [outputs[o] for o in pg.outputs]
+        fixed, reason = _group_fix(pg, reads + writes, low_ir, tagged)
         key = ("node", node, index)
         view.groups[key] = (node, pg)
-        info = GroupInfo(key, node, node.name or "", op_key, fixed, reason, tvar=pg.label)
-        view.graph.add_group(info, inputs=[node.inputs[i] for i in pg.inputs],
-                             outputs=[node.outputs[o] for o in pg.outputs])
+        info = GroupInfo(key, node, name, op_key, fixed, reason, tvar=pg.label)
+        view.graph.add_group(info, inputs=reads, outputs=writes)
 
 
 def _group_fix(pg: PortGroup, values, low_ir, tagged) -> tuple[Precision | None, str]:

@@ -287,3 +287,19 @@ def test_untyped_values_get_dtypes_from_schemas(rng):
     mixed = ir.to_proto(model)
     onnx.checker.check_model(mixed, full_check=True)
     assert ops(mixed) == ["Cast", "MatMul", "Relu", "MatMul", "Cast"]
+
+
+def test_output_describes_values_as_much_as_the_input(rng):
+    """An input without value_info gets none back (loading inferred the dtypes only for the
+    pass); one that declares its values gets them back with the new dtypes. Only the nodes
+    the pass created carry metadata."""
+    bare = with_weights(parse(MLP), rng)
+    described = {vi.name for vi in rewritten(bare).graph.value_info}
+    assert not described & {"h", "a"}
+    mixed = rewritten(onnx.shape_inference.infer_shapes(bare))
+    types = {vi.name: vi.type.tensor_type.elem_type for vi in mixed.graph.value_info}
+    assert types["h"] == types["a"] == F16
+    for node in mixed.graph.node:
+        tags = {p.key for p in node.metadata_props}
+        assert tags == ({"amp_rewrite.inserted", "amp_rewrite.reason"}
+                        if node.op_type == "Cast" else set())
