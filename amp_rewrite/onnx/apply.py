@@ -134,6 +134,11 @@ def _convert_sources(view: OnnxView, plan: PrecisionPlan, low_ir, stats: ApplySt
                 value.dtype = low_ir
 
 
+def _stored_array(value: ir.Value, node: ir.Node | None) -> bool:
+    """An initializer or a ``Constant(value=...)``; other Constant forms get a runtime Cast."""
+    return value.const_value is not None or (node is not None and "value" in node.attributes)
+
+
 def _constant_array(value: ir.Value, node: ir.Node | None) -> np.ndarray:
     if node is not None:
         return node.attributes["value"].value.numpy()
@@ -166,7 +171,7 @@ def _insert_cast(view: OnnxView, cast: CastPlan, low_ir, namer: _Namer,
     value = cast.value
     target = _dtype(cast.to, low_ir)
     source = view.sources.get(("source", value))
-    if source is not None and (value.const_value is not None or source[2] is not None):
+    if source is not None and _stored_array(value, source[2]):
         new = _constant_copy(source, target, namer, stats)
     else:
         new = _cast_node(value, target, namer, cast, source)

@@ -303,3 +303,23 @@ def test_output_describes_values_as_much_as_the_input(rng):
         tags = {p.key for p in node.metadata_props}
         assert tags == ({"amp_rewrite.inserted", "amp_rewrite.reason"}
                         if node.op_type == "Cast" else set())
+
+
+def test_constant_in_attribute_form_read_low_gets_a_runtime_cast(rng):
+    """``Constant(value_float=...)`` is kept as written; a low reader gets it through a Cast
+    (it used to raise KeyError: only the ``value`` form can be stored converted)."""
+    model = parse("""
+    <ir_version: 9, opset_import: ["" : 18]>
+    g (float[2, 8] x) => (float[2, 8] y) <float[8, 8] w1, float[8, 8] w2> {
+        c = Constant <value_float: float = 0.5> ()
+        h = MatMul(x, w1)
+        s = Add(h, c)
+        y = MatMul(s, w2)
+    }""")
+    fp32 = with_weights(model, rng)
+    mixed = rewritten(fp32)
+    add = next(n for n in mixed.graph.node if n.op_type == "Add")
+    casts = cast_targets(mixed)
+    assert "c" in {n.input[0] for n in mixed.graph.node if n.op_type == "Cast"}
+    assert add.input[1] != "c" and F16 in casts
+    check_close(fp32, mixed, {"x": rng.standard_normal((2, 8)).astype(np.float32)})
