@@ -68,6 +68,19 @@ def test_rewrite_validate_report_explain(model_path, tmp_path, capsys):
     assert "node_layer_norm (LayerNormalization/T): low" in out
 
 
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_validate_without_keep_io_types(model_path, capsys, dtype):
+    """The low-dtype model takes its inputs in the low dtype; validation feeds it the same
+    data converted (an internal error before)."""
+    code, out, err = run_cli([model_path, "--no-keep-io-types", "--dtype", dtype,
+                              "--validate"], capsys)
+    assert code == 0, err
+    mixed = onnx.load(model_path.with_suffix(".amp.onnx"))
+    low = {"fp16": onnx.TensorProto.FLOAT16, "bf16": onnx.TensorProto.BFLOAT16}[dtype]
+    assert {i.type.tensor_type.elem_type for i in mixed.graph.input} == {low}
+    assert "max rel" in out and "ok" in out
+
+
 def test_missing_path(tmp_path, capsys):
     code, _, err = run_cli([tmp_path / "nope.onnx"], capsys)
     assert_clean_failure(tmp_path, code, err, 3, "no such file", {})
