@@ -10,7 +10,9 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
+import os
 import re
+import traceback
 import types
 import warnings
 from collections.abc import Mapping, Sequence
@@ -168,8 +170,23 @@ def _symbolic_trace(module: torch.nn.Module, args: tuple, kwargs: dict) -> torch
             f"torch.fx.symbolic_trace cannot capture {type(module).__name__}: {e}; use "
             "capture='export', or replace the Python branch on a tensor with torch.where"
         ) from e
+    except Exception as e:  # noqa: BLE001 - Python code that needs real values, e.g. x[:n]
+        raise CaptureError(
+            f"torch.fx.symbolic_trace cannot capture {type(module).__name__}: "
+            f"{_first_line(e)} {_model_frame(e)}(the code needs concrete values, which "
+            "symbolic tracing does not have); use capture='export'") from e
     propagate_fake(gm, args, kwargs)
     return gm
+
+
+def _model_frame(error: Exception) -> str:
+    """Where the model's own code failed: the innermost frame outside torch."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if f"{os.sep}torch{os.sep}" not in f.filename and f.filename != __file__]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f"at {f.filename}:{f.lineno} in {f.name} (`{(f.line or '').strip()}`) "
 
 
 def has_fake_values(gm: torch.fx.GraphModule) -> bool:

@@ -33,6 +33,17 @@ class _TwoInputs(nn.Module):
         return self.fc(x) + y
 
 
+class _SlicesByLength(nn.Module):
+    """HF's ``position_ids[:, :seq_length]``: a real tensor sliced by a traced size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.positions = torch.arange(16.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.positions[: x.shape[-1]]
+
+
 class _Integers(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return (ids * 3 + 1).cumsum(-1)
@@ -50,6 +61,18 @@ def test_data_dependent_control_flow_names_the_construct_and_suggests_fixes():
 def test_symbolic_trace_of_data_dependent_branch_is_a_capture_error():
     with pytest.raises(CaptureError, match="symbolic_trace cannot capture _Branchy"):
         amp_rewrite.rewrite(_Branchy(), (torch.randn(2, 4),), capture="symbolic_trace")
+
+
+def test_symbolic_trace_of_code_needing_concrete_values_names_the_line():
+    with pytest.raises(CaptureError) as info:
+        amp_rewrite.rewrite(_SlicesByLength(), (torch.randn(2, 4),), capture="symbolic_trace")
+    message = str(info.value)
+    assert "symbolic_trace cannot capture _SlicesByLength: TypeError" in message
+    assert "test_capture.py" in message and "self.positions[: x.shape[-1]]" in message
+    assert "capture='export'" in message
+    gm = amp_rewrite.rewrite(_SlicesByLength(), (torch.randn(2, 4),))  # export handles it
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(gm(x), _SlicesByLength()(x))
 
 
 def test_missing_example_input_is_a_usage_error_naming_the_signature():
