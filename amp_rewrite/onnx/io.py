@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 
 import onnx
+import onnx.inliner
 import onnx_ir as ir
 
 from amp_rewrite.errors import ModelError, UsageError
@@ -24,7 +25,8 @@ def load_model(source: str | os.PathLike | onnx.ModelProto) -> ir.Model:
     ModelProto (never mutated), with ONNX shape inference filled in where it was missing."""
     if isinstance(source, onnx.ModelProto):
         _check_input(source, "<ModelProto>")
-        return _with_inferred_facts(ir.from_proto(source), source)
+        proto = _inline_local_functions(source)
+        return _with_inferred_facts(ir.from_proto(proto), proto)
     path = Path(source)
     if not path.is_file():
         raise ModelError(f"{path}: no such file; pass the path of an .onnx model")
@@ -36,9 +38,23 @@ def load_model(source: str | os.PathLike | onnx.ModelProto) -> ir.Model:
     if not proto.graph.node and not proto.graph.input and not proto.graph.output:
         raise ModelError(f"{path}: not an ONNX model (no graph found); is it truncated?")
     _check_input(path if _has_external_data(proto) else proto, str(path))
+    proto = _inline_local_functions(proto)
     model = _with_inferred_facts(ir.from_proto(proto), proto)
     ir.external_data.set_base_dir(model.graph, path.parent)
     return model
+
+
+def _inline_local_functions(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """Calls of model-local functions replaced by their bodies (a new proto).
+
+    Precision is decided per call site, and a function body is shared by all its calls, so
+    without inlining every op inside would stay fp32 behind an opaque custom op. ONNX's C++
+    inliner touches only nodes; initializers, external ones included, are left as they are.
+    """
+    if not proto.functions:
+        return proto
+    logger.info("inlining %d model-local functions", len(proto.functions))
+    return onnx.inliner.inline_local_functions(proto)
 
 
 def _with_inferred_facts(model: ir.Model, proto: onnx.ModelProto) -> ir.Model:

@@ -323,3 +323,27 @@ def test_constant_in_attribute_form_read_low_gets_a_runtime_cast(rng):
     assert "c" in {n.input[0] for n in mixed.graph.node if n.op_type == "Cast"}
     assert add.input[1] != "c" and F16 in casts
     check_close(fp32, mixed, {"x": rng.standard_normal((2, 8)).astype(np.float32)})
+
+
+def test_model_local_functions_are_inlined_and_their_bodies_planned(rng):
+    """A body is shared by its calls and each call site may need another precision, so calls
+    are inlined first; before, ``local.Block`` was an unknown op and everything stayed fp32."""
+    model = parse("""
+    <ir_version: 9, opset_import: ["" : 18, "local" : 1]>
+    g (float[2, 8] x) => (float[2, 8] y) <float[8, 8] w> {
+        h = local.Block(x, w)
+        y = local.Block(h, w)
+    }
+    <domain: "local", opset_import: ["" : 18]>
+    Block (a, b) => (c) {
+        m = MatMul(a, b)
+        c = Relu(m)
+    }""")
+    fp32 = with_weights(model, rng, scale=0.3)
+    result = rewrite_onnx_model(fp32)
+    assert result.report["unlisted_ops"] == []
+    assert result.report["precision_counts"] == {"low": 4, "high": 0}
+    mixed = rewritten(fp32)
+    assert ops(mixed) == ["Cast", "MatMul", "Relu", "MatMul", "Relu", "Cast"]
+    assert len(fp32.functions) == 1  # the input is not mutated
+    check_close(fp32, mixed, {"x": rng.standard_normal((2, 8)).astype(np.float32)})
