@@ -135,8 +135,14 @@ def _convert_sources(view: OnnxView, plan: PrecisionPlan, low_ir, stats: ApplySt
 
 
 def _stored_array(value: ir.Value, node: ir.Node | None) -> bool:
-    """An initializer or a ``Constant(value=...)``; other Constant forms get a runtime Cast."""
-    return value.const_value is not None or (node is not None and "value" in node.attributes)
+    """An initializer or a ``Constant(value=...)``; other Constant forms get a runtime Cast.
+
+    An initializer that is also a graph input is only a default the caller may override, so
+    it is cast at run time too: a stored copy would silently ignore the fed value.
+    """
+    if node is not None:
+        return "value" in node.attributes
+    return value.const_value is not None and not value.is_graph_input()
 
 
 def _constant_array(value: ir.Value, node: ir.Node | None) -> np.ndarray:

@@ -347,3 +347,21 @@ def test_model_local_functions_are_inlined_and_their_bodies_planned(rng):
     assert ops(mixed) == ["Cast", "MatMul", "Relu", "MatMul", "Relu", "Cast"]
     assert len(fp32.functions) == 1  # the input is not mutated
     check_close(fp32, mixed, {"x": rng.standard_normal((2, 8)).astype(np.float32)})
+
+
+def test_initializer_that_is_also_an_input_stays_overridable(rng):
+    """Before IR 4 weights were listed as inputs too; the initializer is then only a default,
+    so a low reader gets a runtime Cast of the input, never a stored copy that ignores it."""
+    w = onnx.numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), "w")
+    h = onnx.helper
+    graph = h.make_graph(
+        [h.make_node("MatMul", ["x", "w"], ["m"]), h.make_node("Relu", ["m"], ["y"])], "g",
+        [h.make_tensor_value_info("x", F32, [2, 8]), h.make_tensor_value_info("w", F32, [8, 8])],
+        [h.make_tensor_value_info("y", F32, [2, 8])], [w])
+    fp32 = h.make_model(graph, opset_imports=[h.make_opsetid("", 9)], ir_version=4)
+    mixed = rewritten(fp32)
+    assert [i.name for i in mixed.graph.initializer] == ["w"]
+    assert {n.input[0] for n in mixed.graph.node if n.op_type == "Cast"} >= {"x", "w"}
+    override = {"x": rng.standard_normal((2, 8)).astype(np.float32),
+                "w": rng.standard_normal((8, 8)).astype(np.float32)}
+    check_close(fp32, mixed, override)
