@@ -91,7 +91,9 @@ def _rewrite(args) -> int:
     from amp_rewrite.onnx.api import rewrite_onnx_model
 
     start = time.perf_counter()
+    io.check_input_path(args.model)
     out = io.check_output_path(args.model, args.output or io.default_output_path(args.model))
+    _check_side_paths(args)
     with _Stages(args) as stages:
         stages.step("rewrite")
         result = rewrite_onnx_model(args.model, dtype=args.dtype, keep_io_types=args.keep_io_types,
@@ -113,6 +115,15 @@ def _rewrite(args) -> int:
             result.model, result.had_external_data))
     _finish(args, result, out, validation, time.perf_counter() - start)
     return 0
+
+
+def _check_side_paths(args) -> None:
+    """Fail before any work, so a bad --report path never leaves a model without its report."""
+    if args.report and not Path(args.report).resolve().parent.is_dir():
+        raise UsageError(f"--report {args.report}: directory {Path(args.report).parent} "
+                         "does not exist")
+    if args.threshold is not None and not args.threshold > 0:
+        raise UsageError(f"--threshold must be a magnitude > 0, got {args.threshold:g}")
 
 
 def _validate(args, result):

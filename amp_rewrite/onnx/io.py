@@ -27,9 +27,7 @@ def load_model(source: str | os.PathLike | onnx.ModelProto) -> ir.Model:
         _check_input(source, "<ModelProto>")
         proto = _inline_local_functions(source)
         return _with_inferred_facts(ir.from_proto(proto), proto)
-    path = Path(source)
-    if not path.is_file():
-        raise ModelError(f"{path}: no such file; pass the path of an .onnx model")
+    path = check_input_path(source)
     try:
         proto = onnx.load(str(path), load_external_data=False)
     except Exception as e:  # protobuf raises DecodeError, RuntimeWarning, ValueError, ...
@@ -42,6 +40,15 @@ def load_model(source: str | os.PathLike | onnx.ModelProto) -> ir.Model:
     model = _with_inferred_facts(ir.from_proto(proto), proto)
     ir.external_data.set_base_dir(model.graph, path.parent)
     return model
+
+
+def check_input_path(source: str | os.PathLike) -> Path:
+    path = Path(source)
+    if path.is_dir():
+        raise ModelError(f"{path}: is a directory; pass the path of an .onnx model")
+    if not path.is_file():
+        raise ModelError(f"{path}: no such file; pass the path of an .onnx model")
+    return path
 
 
 def _inline_local_functions(proto: onnx.ModelProto) -> onnx.ModelProto:
@@ -130,7 +137,12 @@ def default_output_path(input_path: str | os.PathLike) -> Path:
 
 
 def check_output_path(input_path: str | os.PathLike | None, output: str | os.PathLike) -> Path:
+    """The file to write: ``output``, or the default name inside it when it is a directory."""
     out = Path(output)
+    if out.is_dir():
+        if input_path is None:
+            raise UsageError(f"{out}: is a directory; give the output file name")
+        out = out / default_output_path(input_path).name
     if input_path is not None and out.resolve() == Path(input_path).resolve():
         raise UsageError(f"{out}: the output would overwrite the input; choose another -o path")
     if not out.parent.is_dir():

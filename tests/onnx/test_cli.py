@@ -86,6 +86,31 @@ def test_missing_path(tmp_path, capsys):
     assert_clean_failure(tmp_path, code, err, 3, "no such file", {})
 
 
+def test_directory_as_input(tmp_path, capsys):
+    code, _, err = run_cli([tmp_path], capsys)
+    assert_clean_failure(tmp_path, code, err, 3, "is a directory", {})
+
+
+def test_directory_as_output_gets_the_default_name(model_path, tmp_path, capsys):
+    target = tmp_path / "out"
+    target.mkdir()
+    code, _, err = run_cli([model_path, "-o", target, "-q"], capsys)
+    assert code == 0, err
+    onnx.checker.check_model(onnx.load(target / "block.amp.onnx"), full_check=True)
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--report", "missing_dir/r.json"], "missing_dir does not exist"),
+    (["--threshold", "-1"], "--threshold must be a magnitude > 0"),
+])
+def test_bad_side_arguments_fail_before_any_work(model_path, tmp_path, capsys, flags, needle,
+                                                 monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    before = {model_path: digest(model_path)}
+    code, _, err = run_cli([model_path, *flags], capsys)
+    assert_clean_failure(tmp_path, code, err, 2, needle, before)
+
+
 def test_bytes_that_are_not_onnx(tmp_path, capsys):
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(b"\x00\xffthis is not a protobuf\x12\x99" * 10)
