@@ -51,7 +51,7 @@ def default_threshold(dtype: LowDtype) -> float:
     return 4096.0 if dtype is LowDtype.FLOAT16 else 1e37
 
 
-def rewrite_onnx_model(source: str | os.PathLike | onnx.ModelProto, *,
+def rewrite_onnx_model(source: str | os.PathLike | onnx.ModelProto | bytes, *,
                        dtype: str | LowDtype = "float16", keep_io_types: bool = True,
                        rules: Iterable[str | os.PathLike] = (), keep_fp32: Iterable[str] = (),
                        calibration_data: Mapping[str, np.ndarray] | str | os.PathLike | None = None,
@@ -64,8 +64,8 @@ def rewrite_onnx_model(source: str | os.PathLike | onnx.ModelProto, *,
         model = io.load_model(source)
         had_external = io.input_had_external_data(model)
         pinned = _calibrate(source, model, low, calibration_data, calibration_threshold)
-        options = OnnxOptions(low, keep_io_types, tuple(map(str, rules)), tuple(keep_fp32),
-                              pinned, savings_weight)
+        options = OnnxOptions(low, keep_io_types, tuple(map(str, _listed(rules))),
+                              tuple(_listed(keep_fp32)), pinned, savings_weight)
         pass_ = MixedPrecisionPass(options)
         pass_(model)
         result = RewriteResult(model, pass_, had_external)
@@ -75,10 +75,16 @@ def rewrite_onnx_model(source: str | os.PathLike | onnx.ModelProto, *,
     return result
 
 
-def rewrite_onnx(model: str | os.PathLike | onnx.ModelProto, **options) -> onnx.ModelProto:
+def rewrite_onnx(model: str | os.PathLike | onnx.ModelProto | bytes,
+                 **options) -> onnx.ModelProto:
     """Rewrite an FP32 ONNX model to mixed precision; ``options`` as ``rewrite_onnx_model``."""
     with gc_paused():  # one pause around both: re-enabling triggers a full collection
         return rewrite_onnx_model(model, **options).proto()
+
+
+def _listed(items: Iterable | str | os.PathLike) -> tuple:
+    """One path or pattern as a one-item list (a bare string is not a list of characters)."""
+    return (items,) if isinstance(items, (str, os.PathLike)) else tuple(items)
 
 
 def _check_output(result: RewriteResult) -> None:

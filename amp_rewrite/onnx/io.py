@@ -20,9 +20,12 @@ UNTYPED_AT_LOAD = "amp_rewrite.untyped_at_load"  # model.meta key: node outputs 
 SYMBOLIC_DIM_EXTENT = 64  # nominal size of a symbolic dim (batch, sequence) for cast costs
 
 
-def load_model(source: str | os.PathLike | onnx.ModelProto) -> ir.Model:
-    """An onnx_ir model from a path (external data stays on disk, memory-mapped) or a
-    ModelProto (never mutated), with ONNX shape inference filled in where it was missing."""
+def load_model(source: str | os.PathLike | onnx.ModelProto | bytes) -> ir.Model:
+    """An onnx_ir model from a path (external data stays on disk, memory-mapped), a
+    ModelProto (never mutated) or its serialized bytes, with ONNX shape inference filled in
+    where it was missing."""
+    if isinstance(source, bytes):
+        source = _parse_bytes(source)
     if isinstance(source, onnx.ModelProto):
         _check_input(source, "<ModelProto>")
         proto = _inline_local_functions(source)
@@ -42,7 +45,17 @@ def load_model(source: str | os.PathLike | onnx.ModelProto) -> ir.Model:
     return model
 
 
+def _parse_bytes(data: bytes) -> onnx.ModelProto:
+    try:
+        return onnx.load_model_from_string(data)
+    except Exception as e:  # protobuf's DecodeError and friends
+        raise ModelError(f"<bytes>: not a serialized ONNX model ({_first_line(e)})") from None
+
+
 def check_input_path(source: str | os.PathLike) -> Path:
+    if not isinstance(source, (str, os.PathLike)):
+        raise UsageError(f"model must be a path, an onnx.ModelProto or its serialized bytes; "
+                         f"got {type(source).__name__}")
     path = Path(source)
     if path.is_dir():
         raise ModelError(f"{path}: is a directory; pass the path of an .onnx model")

@@ -109,9 +109,21 @@ def compare(reference: Mapping[str, np.ndarray], got: Mapping[str, np.ndarray]) 
     return errors
 
 
+def check_feed_names(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> None:
+    """Feeds must name every required input (initializers are optional) and nothing else."""
+    defaults = {t.name for t in model.graph.initializer}
+    inputs = [i.name for i in model.graph.input]
+    missing = [n for n in inputs if n not in feeds and n not in defaults]
+    unknown = [n for n in feeds if n not in inputs]
+    if missing or unknown:
+        raise UsageError(f"input data does not match the model: missing {missing}, unknown "
+                         f"{unknown}; the model's inputs are {inputs}")
+
+
 def as_declared(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Float feeds in the dtype each input declares: a model rewritten without
     keep_io_types takes fp16/bf16 inputs, and is compared on the same data."""
+    check_feed_names(model, feeds)
     declared = {i.name: i.type.tensor_type.elem_type for i in model.graph.input}
     out = {}
     for name, array in feeds.items():
@@ -184,6 +196,7 @@ def value_maxima(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dic
              if v.dtype == ir.DataType.FLOAT and v.name and v.name not in existing]
     m.graph.outputs.extend(extra)
     proto = ir.to_proto(m)
+    check_feed_names(proto, feeds)
     outputs = session(proto).run([v.name for v in extra], dict(feeds))
     return {v.name: float(np.nanmax(np.abs(o))) if o.size else 0.0
             for v, o in zip(extra, outputs)}
