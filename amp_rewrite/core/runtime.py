@@ -1,9 +1,10 @@
-"""Process-level helpers shared by the adapters."""
+"""Helpers shared by the adapters: GC pausing, option normalising."""
 from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Iterator
+import os
+from collections.abc import Iterable, Iterator
 
 
 @contextlib.contextmanager
@@ -21,3 +22,9 @@ def gc_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
+
+
+def listed(items: Iterable | str | os.PathLike) -> tuple:
+    """Options that take several paths or patterns also take one: a bare string is one item,
+    not a list of characters (``keep_fp32="*"`` would otherwise pin every node)."""
+    return (items,) if isinstance(items, (str, os.PathLike)) else tuple(items)

@@ -16,7 +16,7 @@ import torch
 
 from amp_rewrite.core import LowDtype, load_rules
 from amp_rewrite.core.rules import default_rules_path
-from amp_rewrite.core.runtime import gc_paused
+from amp_rewrite.core.runtime import gc_paused, listed
 from amp_rewrite.errors import UsageError
 from amp_rewrite.fx.capture import capture as capture_module
 from amp_rewrite.fx.capture import refresh_fake_values
@@ -78,9 +78,9 @@ def rewrite_graph(gm: torch.fx.GraphModule, *, dtype: torch.dtype | str = torch.
     low = LowDtype.parse(dtype)
     device = device or graph_device(gm)
     overlays = [default_rules_path("torch_cpu")] if device == "cpu" else []
-    options = MixedPrecisionOptions(load_rules("torch", extra_files=[*overlays, *rules]),
-                                    _TORCH_DTYPES[low], low.max_finite, tuple(keep_fp32),
-                                    keep_io_types, device, autocast_floor)
+    rule_set = load_rules("torch", extra_files=[*overlays, *listed(rules)])
+    options = MixedPrecisionOptions(rule_set, _TORCH_DTYPES[low], low.max_finite,
+                                    listed(keep_fp32), keep_io_types, device, autocast_floor)
     start = time.perf_counter()
     with gc_paused():
         inlined = InlineModules()(gm).modified

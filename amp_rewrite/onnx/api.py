@@ -12,7 +12,7 @@ import onnx
 import onnx_ir as ir
 
 from amp_rewrite.core import LowDtype
-from amp_rewrite.core.runtime import gc_paused
+from amp_rewrite.core.runtime import gc_paused, listed
 from amp_rewrite.errors import ModelError
 from amp_rewrite.onnx import io
 from amp_rewrite.onnx.passes import MixedPrecisionPass, OnnxOptions
@@ -64,8 +64,8 @@ def rewrite_onnx_model(source: str | os.PathLike | onnx.ModelProto | bytes, *,
         model = io.load_model(source)
         had_external = io.input_had_external_data(model)
         pinned = _calibrate(source, model, low, calibration_data, calibration_threshold)
-        options = OnnxOptions(low, keep_io_types, tuple(map(str, _listed(rules))),
-                              tuple(_listed(keep_fp32)), pinned, savings_weight)
+        options = OnnxOptions(low, keep_io_types, tuple(map(str, listed(rules))),
+                              tuple(listed(keep_fp32)), pinned, savings_weight)
         pass_ = MixedPrecisionPass(options)
         pass_(model)
         result = RewriteResult(model, pass_, had_external)
@@ -80,11 +80,6 @@ def rewrite_onnx(model: str | os.PathLike | onnx.ModelProto | bytes,
     """Rewrite an FP32 ONNX model to mixed precision; ``options`` as ``rewrite_onnx_model``."""
     with gc_paused():  # one pause around both: re-enabling triggers a full collection
         return rewrite_onnx_model(model, **options).proto()
-
-
-def _listed(items: Iterable | str | os.PathLike) -> tuple:
-    """One path or pattern as a one-item list (a bare string is not a list of characters)."""
-    return (items,) if isinstance(items, (str, os.PathLike)) else tuple(items)
 
 
 def _check_output(result: RewriteResult) -> None:

@@ -188,6 +188,9 @@ def test_keep_fp32_pins_by_node_name_and_by_module_path():
     assert out_dtype(node(by_name, "linear")) == torch.float16
     by_path = amp_rewrite.rewrite(Block(), args, keep_fp32=["out"])
     assert out_dtype(node(by_path, "linear_3")) == torch.float32
+    one = amp_rewrite.rewrite(Block(), args, keep_fp32="linear_1")  # one pattern, not 8 chars
+    assert out_dtype(node(one, "linear_1")) == torch.float32
+    assert out_dtype(node(one, "linear")) == torch.float16
 
 
 def test_keep_io_types_false_may_return_low_outputs():
@@ -213,6 +216,8 @@ def test_rule_file_overlay_moves_an_op(tmp_path):
     assert out_dtype(node(gm, "matmul")) == torch.float16  # still allow
     reasons = [r["reason"] for r in gm.amp_report["nodes"] if r["op_type"] == "linear"]
     assert all("keep GEMMs fp32 here" in r and str(overlay) in r for r in reasons)
+    one = amp_rewrite.rewrite(Block(), block_inputs(), rules=overlay)  # one path, not a list
+    assert one.amp_report["nodes"] == gm.amp_report["nodes"]
 
 
 @pytest.mark.parametrize(("dtype", "expected"), [(torch.float16, torch.float32),
