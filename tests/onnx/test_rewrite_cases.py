@@ -319,9 +319,8 @@ def test_constant_in_attribute_form_read_low_gets_a_runtime_cast(rng):
     fp32 = with_weights(model, rng)
     mixed = rewritten(fp32)
     add = next(n for n in mixed.graph.node if n.op_type == "Add")
-    casts = cast_targets(mixed)
-    assert "c" in {n.input[0] for n in mixed.graph.node if n.op_type == "Cast"}
-    assert add.input[1] != "c" and F16 in casts
+    cast_of = {n.input[0]: n.attribute[0].i for n in mixed.graph.node if n.op_type == "Cast"}
+    assert cast_of["c"] == F16 and add.input[1] != "c"
     check_close(fp32, mixed, {"x": rng.standard_normal((2, 8)).astype(np.float32)})
 
 
