@@ -153,8 +153,12 @@ def _user_construct(error: Exception) -> str:
     match = _USER_FRAME.search(str(error))
     if not match:
         return ""
-    path, line, func, code = match.groups()
-    return f"at {path}:{line} in {func} (`{code.strip()}`) "
+    return _location(*match.groups())
+
+
+def _location(path: str, line: object, func: str, code: str | None) -> str:
+    """``at FILE:LINE in FUNC (`code`) `` for error messages."""
+    return f"at {path}:{line} in {func} (`{(code or '').strip()}`) "
 
 
 def _first_line(error: Exception) -> str:
@@ -186,7 +190,7 @@ def _model_frame(error: Exception) -> str:
     if not frames:
         return ""
     f = frames[-1]
-    return f"at {f.filename}:{f.lineno} in {f.name} (`{(f.line or '').strip()}`) "
+    return _location(f.filename, f.lineno, f.name, f.line)
 
 
 def has_fake_values(gm: torch.fx.GraphModule) -> bool:
