@@ -86,8 +86,9 @@ def _with_inferred_facts(model: ir.Model, proto: onnx.ModelProto) -> ir.Model:
     value shapes, because parsing and re-serialising 50k inferred shapes doubled the cost of
     the onnx_ir round trip.
     """
-    untyped = {v for g in model.graphs() for node in g for v in node.outputs
-               if v.name and v.type is None}
+    undescribed = [v for g in model.graphs() for node in g for v in node.outputs
+                   if v.name and (v.type is None or v.shape is None)]
+    untyped = {v for v in undescribed if v.type is None}
     if not untyped:
         return model
     model.meta[UNTYPED_AT_LOAD] = untyped
@@ -96,36 +97,52 @@ def _with_inferred_facts(model: ir.Model, proto: onnx.ModelProto) -> ir.Model:
     except Exception as e:  # a partial answer is still better than none: keep going
         logger.info("shape inference failed (%s); sizes of some values unknown", _first_line(e))
         return model
-    facts = _tensor_facts(inferred.graph)
+    facts = _tensor_facts(inferred.graph, {})
     sizes = model.meta.setdefault(INFERRED_SIZES, {})
-    for g in model.graphs():
-        for node in g:
-            for v in node.outputs:
-                fact = facts.get(v.name)
-                if fact is None:
-                    continue
-                if v.type is None:
-                    v.dtype = fact[0]
-                if v.shape is None:
-                    sizes[v.name] = fact[1]
+    for v in undescribed:
+        fact = facts.get(v.name)
+        if fact is not None:
+            if v.type is None:
+                v.dtype = fact[0]
+            if v.shape is None:
+                sizes[v.name] = fact[1]
     return model
 
 
-def _tensor_facts(graph: onnx.GraphProto) -> dict[str, tuple[ir.DataType, int | None]]:
-    """name -> (dtype, bytes in fp32 or None) for every inferred tensor, subgraphs included."""
+TensorFact = tuple[ir.DataType, int | None]  # (dtype, bytes in fp32 or None)
+
+
+def _tensor_facts(graph: onnx.GraphProto, by_type: dict[bytes, TensorFact | None]
+                  ) -> dict[str, TensorFact]:
+    """name -> fact for every inferred tensor, subgraphs included.
+
+    Facts are parsed once per distinct TypeProto (``by_type``, keyed by its bytes): models
+    repeat a few types thousands of times, and reading protobuf fields from Python costs
+    ~0.2 µs each, so parsing every value_info took 0.2 s on a 50k-node chain.
+    """
     facts = {}
     for vi in graph.value_info:
-        t = vi.type.tensor_type if vi.type.HasField("tensor_type") else None
-        if t is not None and t.elem_type:
-            dims = ([d.dim_value if d.HasField("dim_value") else SYMBOLIC_DIM_EXTENT
-                     for d in t.shape.dim] if t.HasField("shape") else None)
-            facts[vi.name] = (ir.DataType(t.elem_type), None if dims is None else
-                              4 * max(1, math.prod(dims)))
+        key = vi.type.SerializeToString()
+        fact = by_type.get(key, False)
+        if fact is False:
+            fact = by_type[key] = _type_fact(vi.type)
+        if fact is not None:
+            facts[vi.name] = fact
     for node in graph.node:
         for attr in node.attribute:
             for sub in (attr.g,) if attr.HasField("g") else attr.graphs:
-                facts.update(_tensor_facts(sub))
+                facts.update(_tensor_facts(sub, by_type))
     return facts
+
+
+def _type_fact(tp: onnx.TypeProto) -> TensorFact | None:
+    t = tp.tensor_type if tp.HasField("tensor_type") else None
+    if t is None or not t.elem_type:
+        return None
+    if not t.HasField("shape"):
+        return ir.DataType(t.elem_type), None
+    dims = [d.dim_value if d.HasField("dim_value") else SYMBOLIC_DIM_EXTENT for d in t.shape.dim]
+    return ir.DataType(t.elem_type), 4 * max(1, math.prod(dims))
 
 
 def _has_external_data(proto: onnx.ModelProto) -> bool:
