@@ -128,14 +128,13 @@ def _check_side_paths(args) -> None:
 
 def _validate(args, result):
     import onnx
-    import onnx_ir as ir
 
     from amp_rewrite.core import LowDtype
     from amp_rewrite.onnx import validate
 
     fp32 = onnx.load(args.model)
     feeds = validate.load_feeds(args.calibrate) if args.calibrate else None
-    return validate.validate(fp32, ir.to_proto(result.model), LowDtype.parse(args.dtype),
+    return validate.validate(fp32, result.proto(), LowDtype.parse(args.dtype),
                              feeds, args.tolerance)
 
 

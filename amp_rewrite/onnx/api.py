@@ -42,7 +42,7 @@ class RewriteResult:
     def proto(self) -> onnx.ModelProto:
         """The rewritten model as a ModelProto (serialised once)."""
         if self._proto is None:
-            self._proto = ir.to_proto(self.model)
+            self._proto = io.to_proto(self.model)
         return self._proto
 
 

@@ -295,14 +295,19 @@ def test_untyped_values_get_dtypes_from_schemas(rng):
 
 def test_output_describes_values_as_much_as_the_input(rng):
     """An input without value_info gets none back (loading inferred the dtypes only for the
-    pass); one that declares its values gets them back with the new dtypes. Only the nodes
-    the pass created carry metadata."""
+    pass; onnx_ir would describe every initializer); one that declares its values gets them
+    back with the new dtypes. Only the nodes the pass created carry metadata."""
     bare = with_weights(parse(MLP), rng)
     described = {vi.name for vi in rewritten(bare).graph.value_info}
-    assert not described & {"h", "a"}
-    mixed = rewritten(onnx.shape_inference.infer_shapes(bare))
+    assert not described & {"h", "a", "w1", "w2"}
+    result = rewrite_onnx_model(bare)
+    result.proto()
+    assert result.model.graph.initializers["w1"].dtype == ir.DataType.FLOAT16  # IR keeps it
+    described = onnx.shape_inference.infer_shapes(bare)
+    described.graph.value_info.append(onnx.helper.make_tensor_value_info("w1", F32, [8, 16]))
+    mixed = rewritten(described)
     types = {vi.name: vi.type.tensor_type.elem_type for vi in mixed.graph.value_info}
-    assert types["h"] == types["a"] == F16
+    assert types == {"h": F16, "a": F16, "w1": F16, "x_float16": F16, "y_float16": F16}
     for node in mixed.graph.node:
         tags = {p.key for p in node.metadata_props}
         assert tags == ({"amp_rewrite.inserted", "amp_rewrite.reason"}
