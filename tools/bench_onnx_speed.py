@@ -9,8 +9,9 @@ counts (1k, 10k, 50k by default).
 Every converter runs in a worker process of its own (started and warmed up on a tiny model
 before timing), so a run that exceeds ``--timeout`` is killed and reported as ">timeout";
 larger models of that variant are then skipped for it. The time is measured inside the
-worker around the call that goes from ModelProto to ModelProto (amp_rewrite: load into
-onnx_ir, rewrite, check, back to ModelProto). Model build time is reported apart.
+worker around the call that goes from ModelProto to ModelProto (amp_rewrite: check the input,
+load into onnx_ir, rewrite, back to ModelProto). Repeats run round-robin over the converters,
+so a drift in the machine's speed hits all of them alike. Model build time is reported apart.
 
     PYTHONPATH=. python tools/bench_onnx_speed.py [--sizes 1000 10000 50000]
         [--converters amp_rewrite onnxconverter_common] [--timeout 300]
@@ -96,24 +97,41 @@ class Bench:
             except RuntimeError as e:  # the timed runs will report the same error
                 log.warning("%s fails on the warm-up model: %s", name, e)
 
-    def run(self, name: str, model_path: Path, variant: str, repeats: int) -> dict[str, Any]:
+    def run(self, names: list[str], model_path: Path, variant: str,
+            repeats: int) -> dict[str, dict[str, Any]]:
+        """Time each converter ``repeats`` times, round-robin: the machine's speed drifts over
+        minutes (shared host), and interleaving exposes every converter to the same drift."""
+        runs = {name: self._first_state(name, variant) for name in names}
+        with tqdm(total=repeats * len(names), desc=model_path.stem, leave=False) as bar:
+            for _ in range(repeats):
+                for name in names:
+                    if runs[name]["status"] == "ok":
+                        self._time_once(name, model_path, variant, runs[name])
+                    bar.update()
+        for run in runs.values():
+            if run["status"] == "ok":
+                run["median"] = statistics.median(run["runs"])
+        return runs
+
+    def _first_state(self, name: str, variant: str) -> dict[str, Any]:
         if (name, variant) in self.timed_out:
             return {"status": "skipped", "note": "timed out on a smaller model"}
-        seconds: list[float] = []
-        casts = None
-        for _ in range(repeats):
-            try:
-                worker = self.workers[name]
-                converted, s = worker.convert_timed(model_path, self.dtype, self.timeout)
-            except peers.ConverterTimeoutError:
-                self.timed_out.add((name, variant))
-                return {"status": "timeout", "runs": seconds, "timeout": self.timeout}
-            except RuntimeError as e:  # the converter raised: report it, keep benchmarking
-                return {"status": "error", "error": str(e)}
-            seconds.append(s)
-            casts = corpus.count_casts(converted)
-        return {"status": "ok", "runs": seconds, "median": statistics.median(seconds),
-                "casts": casts}
+        return {"status": "ok", "runs": []}
+
+    def _time_once(self, name: str, model_path: Path, variant: str, run: dict[str, Any]) -> None:
+        try:
+            converted, seconds = self.workers[name].convert_timed(model_path, self.dtype,
+                                                                  self.timeout)
+        except peers.ConverterTimeoutError:
+            self.timed_out.add((name, variant))
+            run.update(status="timeout", timeout=self.timeout)
+            return
+        except RuntimeError as e:  # the converter raised: report it, keep benchmarking
+            run.clear()
+            run.update(status="error", error=str(e))
+            return
+        run["runs"].append(seconds)
+        run["casts"] = corpus.count_casts(converted)
 
     def close(self) -> None:
         for worker in self.workers.values():
@@ -196,10 +214,9 @@ def main(argv: list[str] | None = None) -> int:
                     models.append({"size": size, "variant": variant, "nodes": nodes,
                                    "build_seconds": build_seconds})
                     repeats = _repeats(size, args.repeats, sorted(args.sizes))
-                    for name in tqdm(names, desc=f"{variant} {nodes}", leave=False):
-                        run = bench.run(name, path, variant, repeats)
-                        rows.append({"size": size, "variant": variant, "nodes": nodes,
-                                     "converter": name, **run})
+                    runs = bench.run(names, path, variant, repeats)
+                    rows += [{"size": size, "variant": variant, "nodes": nodes,
+                              "converter": name, **run} for name, run in runs.items()]
         finally:
             bench.close()
     print(format_table(rows))
