@@ -11,15 +11,14 @@ from __future__ import annotations
 import fnmatch
 from collections import deque
 from collections.abc import Hashable, Iterable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from amp_rewrite.core.graph import PrecisionGraph
 from amp_rewrite.core.precision import OpClass, Precision
 from amp_rewrite.core.rules import RuleSet
 
 
-@dataclass(frozen=True)
-class Fix:
+class Fix(NamedTuple):  # a NamedTuple for speed, as graph.GroupInfo
     """A fixed precision with its reason; ``cause`` is the group that forced it, if any."""
 
     precision: Precision

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Hashable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import networkx as nx
 
@@ -45,8 +45,7 @@ ENUMERATE_UP_TO = 4  # free groups; 2**4 labellings are cheaper than building a 
 _S, _T = "__amp_source__", "__amp_sink__"
 
 
-@dataclass(frozen=True)
-class Region:
+class Region(NamedTuple):
     """Free groups connected through values, and the values touching them."""
 
     groups: tuple[Hashable, ...]

@@ -13,6 +13,7 @@ import functools
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import NamedTuple
 
 from amp_rewrite.core import constraints, placement
 from amp_rewrite.core.graph import PrecisionGraph
@@ -20,8 +21,7 @@ from amp_rewrite.core.precision import OpClass, Precision
 from amp_rewrite.core.rules import RuleSet
 
 
-@dataclass(frozen=True)
-class Decision:
+class Decision(NamedTuple):  # a NamedTuple for speed, as graph.GroupInfo
     """The precision of one group and why."""
 
     precision: Precision
@@ -31,8 +31,7 @@ class Decision:
     cause: Hashable | None = None  # the group whose decision forced this one
 
 
-@dataclass(frozen=True)
-class CastPlan:
+class CastPlan(NamedTuple):
     """One Cast of ``value`` to ``to``, shared by ``consumers``."""
 
     value: Hashable

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -333,7 +332,7 @@ def test_free_read_needs_a_fixed_anchor_and_a_high_reader():
     for v in g.values():
         g2.add_value(v.key, nbytes=v.nbytes)
     for grp in g.groups():
-        g2.add_group(replace(grp, promotes=grp.key == "mul"), inputs=g.inputs(grp.key),
+        g2.add_group(grp._replace(promotes=grp.key == "mul"), inputs=g.inputs(grp.key),
                      outputs=g.outputs(grp.key))
     for graph in (g, g2):
         plan = plan_precision(graph, RULES)
