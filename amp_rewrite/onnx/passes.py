@@ -96,10 +96,9 @@ def infer_missing_types(model: ir.Model) -> None:
     """Dtypes for node outputs that still have none after loading (load_model already ran
     ONNX shape inference): a dtype-only propagation through the op schemas."""
     from amp_rewrite.onnx.ports import infer_output_dtypes, node_opset
-    from amp_rewrite.onnx.view import walk_graphs
 
     opsets = dict(model.opset_imports)
-    for g in walk_graphs(model.graph):
+    for g in io.walk_graphs(model.graph):
         for n in g:
             infer_output_dtypes(n, node_opset(n, opsets))
 

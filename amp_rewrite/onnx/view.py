@@ -8,13 +8,12 @@ once, in the outer graph, next to the producer.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import onnx_ir as ir
 
 from amp_rewrite.core import GroupInfo, LowDtype, Precision, PrecisionGraph
-from amp_rewrite.onnx.io import INFERRED_SIZES, SYMBOLIC_DIM_EXTENT
+from amp_rewrite.onnx.io import INFERRED_SIZES, SYMBOLIC_DIM_EXTENT, walk_graphs
 from amp_rewrite.onnx.ports import PortGroup, is_candidate, node_opset, port_groups, to_ir_dtype
 
 INSERTED_TAG = "amp_rewrite.inserted"
@@ -41,20 +40,6 @@ def value_nbytes(value: ir.Value, inferred: dict[str, int | None]) -> int | None
     for d in shape.dims:
         extent *= d if isinstance(d, int) else SYMBOLIC_DIM_EXTENT
     return max(extent, 4)
-
-
-def walk_graphs(graph: ir.Graph) -> Iterator[ir.Graph]:
-    """The graph and every subgraph, outer before inner."""
-    yield graph
-    for node in graph:
-        if not node.attributes:
-            continue
-        for attr in node.attributes.values():
-            if attr.type == ir.AttributeType.GRAPH:
-                yield from walk_graphs(attr.value)
-            elif attr.type == ir.AttributeType.GRAPHS:
-                for sub in attr.value:
-                    yield from walk_graphs(sub)
 
 
 def build_view(model: ir.Model, low: LowDtype, *, keep_io_types: bool = True) -> OnnxView:
