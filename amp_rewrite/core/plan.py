@@ -131,16 +131,16 @@ def plan_casts(graph: PrecisionGraph, labels: Mapping[Hashable, Precision],
     A HIGH consumer with a free read (``placement.free_reads``) promotes the value itself.
     """
     casts: list[CastPlan] = []
-    for value in graph.values():
-        producer = graph.producer(value.key)
-        have = labels[producer] if producer is not None else Precision.HIGH
+    high = Precision.HIGH
+    for value, consumers in graph._consumers.items():  # the hot loop: no accessor calls
+        producer = graph._producer.get(value)
+        have = labels[producer] if producer is not None else high
         wanting: dict[Precision, list[Hashable]] = {}
-        for c in graph.consumers(value.key):
-            if labels[c] is Precision.HIGH and (value.key, c) in free:
-                continue
-            if labels[c] is not have:
-                wanting.setdefault(labels[c], []).append(c)
-        casts.extend(CastPlan(value.key, to, tuple(cs)) for to, cs in wanting.items())
+        for c in consumers:
+            label = labels[c]
+            if label is not have and not (label is high and (value, c) in free):
+                wanting.setdefault(label, []).append(c)
+        casts.extend(CastPlan(value, to, tuple(cs)) for to, cs in wanting.items())
     return tuple(casts)
 
 

@@ -113,7 +113,8 @@ def _add_node(view: OnnxView, node: ir.Node, opset: int, low_ir: ir.DataType) ->
     groups = port_groups(node, opset, view.low)
     if not groups:
         return
-    tagged = INSERTED_TAG in node.metadata_props
+    # Only casts are ever tagged; asking every node would give each an empty metadata dict.
+    tagged = op_type == "Cast" and INSERTED_TAG in node.metadata_props
     op_key = op_type if domain == "" else f"{domain}::{op_type}"
     inputs, outputs, name = node.inputs, node.outputs, node.name or ""
     for index, pg in enumerate(groups):
