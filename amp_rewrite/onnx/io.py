@@ -236,7 +236,7 @@ def initializers_undescribed(model: ir.Model) -> Iterator[None]:
     described = model.meta.get(DESCRIBED_INITIALIZERS, set())
     cleared = [(v, v.type, v.shape) for g in walk_graphs(model.graph)
                for v in g.initializers.values()
-               if v.name not in described and not v.is_graph_input()
+               if v.name not in described and not v.is_graph_input() and not v.is_graph_output()
                and not v.metadata_props and not v.doc_string]
     for v, _, _ in cleared:
         v.type, v.shape = None, None

@@ -314,6 +314,18 @@ def test_output_describes_values_as_much_as_the_input(rng):
                         if node.op_type == "Cast" else set())
 
 
+def test_initializer_that_is_a_graph_output_keeps_its_type(rng):
+    """Graph outputs must be typed, so an initializer that is one keeps its description."""
+    model = parse("""
+    <ir_version: 9, opset_import: ["" : 18]>
+    g (float[2, 8] x) => (float[2, 8] y, float[8, 8] w) <float[8, 8] w> {
+        y = MatMul(x, w)
+    }""")
+    mixed = rewritten(with_weights(model, rng))
+    assert [(o.name, o.type.tensor_type.elem_type) for o in mixed.graph.output] == \
+        [("y", F32), ("w", F32)]
+
+
 def test_constant_in_attribute_form_read_low_gets_a_runtime_cast(rng):
     """``Constant(value_float=...)`` is kept as written; a low reader gets it through a Cast
     (it used to raise KeyError: only the ``value`` form can be stored converted)."""
