@@ -107,11 +107,16 @@ def _from_proto(proto: onnx.ModelProto) -> ir.Model:
 
 def _value_info_names(graph: onnx.GraphProto) -> set[str]:
     names = {vi.name for vi in graph.value_info}
+    for sub in _subgraph_protos(graph):
+        names |= _value_info_names(sub)
+    return names
+
+
+def _subgraph_protos(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    """The bodies held by the graph's nodes (one level down)."""
     for node in graph.node:
         for attr in node.attribute:
-            for sub in (attr.g,) if attr.HasField("g") else attr.graphs:
-                names |= _value_info_names(sub)
-    return names
+            yield from (attr.g,) if attr.HasField("g") else attr.graphs
 
 
 def _with_inferred_facts(model: ir.Model, proto: onnx.ModelProto) -> ir.Model:
@@ -165,10 +170,8 @@ def _tensor_facts(graph: onnx.GraphProto, by_type: dict[bytes, TensorFact | None
             fact = by_type[key] = _type_fact(vi.type)
         if fact is not None:
             facts[vi.name] = fact
-    for node in graph.node:
-        for attr in node.attribute:
-            for sub in (attr.g,) if attr.HasField("g") else attr.graphs:
-                facts.update(_tensor_facts(sub, by_type))
+    for sub in _subgraph_protos(graph):
+        facts.update(_tensor_facts(sub, by_type))
     return facts
 
 
