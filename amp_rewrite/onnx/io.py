@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 PROTOBUF_LIMIT = 2**31 - 1
 INFERRED_SIZES = "amp_rewrite.inferred_sizes"  # model.meta key: value name -> fp32 bytes
 UNTYPED_AT_LOAD = "amp_rewrite.untyped_at_load"  # model.meta key: node outputs with no type
-# model.meta key: names of initializers the input described with a value_info
+# model.meta key: names the input described with a value_info (consulted for initializers)
 DESCRIBED_INITIALIZERS = "amp_rewrite.described_initializers"
 SYMBOLIC_DIM_EXTENT = 64  # nominal size of a symbolic dim (batch, sequence) for cast costs
 
@@ -165,9 +165,9 @@ def _tensor_facts(graph: onnx.GraphProto, by_type: dict[bytes, TensorFact | None
     facts = {}
     for vi in graph.value_info:
         key = vi.type.SerializeToString()
-        fact = by_type.get(key, False)
-        if fact is False:
-            fact = by_type[key] = _type_fact(vi.type)
+        if key not in by_type:
+            by_type[key] = _type_fact(vi.type)
+        fact = by_type[key]
         if fact is not None:
             facts[vi.name] = fact
     for sub in _subgraph_protos(graph):

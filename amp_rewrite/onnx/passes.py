@@ -43,9 +43,10 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
         self.stats: ApplyStats | None = None
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        infer_missing_types(model)
+        graphs = list(io.walk_graphs(model.graph))  # one walk for both steps
+        infer_missing_types(model, graphs)
         self.view = build_view(model, self.options.dtype,
-                               keep_io_types=self.options.keep_io_types)
+                               keep_io_types=self.options.keep_io_types, graphs=graphs)
         self.plan = plan_precision(self.view.graph, self.rules,
                                    keep_fp32=self.options.keep_fp32, pins=self._pins(),
                                    savings_weight=self.options.savings_weight)
@@ -92,13 +93,13 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
         return [line for k in keys for line in explain_chain(self.plan, self.view.graph, k)]
 
 
-def infer_missing_types(model: ir.Model) -> None:
+def infer_missing_types(model: ir.Model, graphs: list[ir.Graph]) -> None:
     """Dtypes for node outputs that still have none after loading (load_model already ran
     ONNX shape inference): a dtype-only propagation through the op schemas."""
     from amp_rewrite.onnx.ports import infer_output_dtypes, node_opset
 
     opsets = dict(model.opset_imports)
-    for g in io.walk_graphs(model.graph):
+    for g in graphs:
         for n in g:
             infer_output_dtypes(n, node_opset(n, opsets))
 

@@ -42,8 +42,10 @@ def value_nbytes(value: ir.Value, inferred: dict[str, int | None]) -> int | None
     return max(extent, 4)
 
 
-def build_view(model: ir.Model, low: LowDtype, *, keep_io_types: bool = True) -> OnnxView:
-    graphs = list(walk_graphs(model.graph))
+def build_view(model: ir.Model, low: LowDtype, *, keep_io_types: bool = True,
+               graphs: list[ir.Graph] | None = None) -> OnnxView:
+    """The precision view of ``model``; ``graphs``: ``walk_graphs(model.graph)`` if given."""
+    graphs = list(walk_graphs(model.graph)) if graphs is None else graphs
     view = OnnxView(PrecisionGraph(), low, graphs)
     low_ir = to_ir_dtype(low)
     opsets = dict(model.opset_imports)
