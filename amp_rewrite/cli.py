@@ -87,6 +87,7 @@ def _list_rules(args) -> int:
 
 
 def _rewrite(args) -> int:
+    from amp_rewrite.core.runtime import gc_paused
     from amp_rewrite.onnx import io
     from amp_rewrite.onnx.api import rewrite_onnx_model
 
@@ -94,7 +95,9 @@ def _rewrite(args) -> int:
     io.check_input_path(args.model)
     out = io.check_output_path(args.model, args.output or io.default_output_path(args.model))
     _check_side_paths(args)
-    with _Stages(args) as stages:
+    # The collector stays paused until the IR is freed: it would rescan the whole IR (~1M
+    # objects at 50k nodes) during the check and the save, and once more at exit.
+    with gc_paused(), _Stages(args) as stages:
         stages.step("rewrite")
         result = rewrite_onnx_model(args.model, dtype=args.dtype, keep_io_types=args.keep_io_types,
                                     rules=args.rules, keep_fp32=args.keep_fp32,
@@ -111,9 +114,10 @@ def _rewrite(args) -> int:
             raise ValidationError("rewritten outputs differ from FP32 beyond tolerance "
                                   f"{validation[1]:g}; nothing written (try --keep-fp32 or "
                                   "--calibrate)")
-        io.save_model(result.model, out, external_data=io.needs_external_data(
-            result.model, result.had_external_data))
-    _finish(args, result, out, validation, time.perf_counter() - start)
+        result.save(out)
+        _finish(args, result, out, validation, time.perf_counter() - start)
+        io.release(result.model)
+        del result
     return 0
 
 

@@ -1,11 +1,13 @@
 """Python entry points of the ONNX path (the CLI calls the same functions)."""
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -45,6 +47,17 @@ class RewriteResult:
             self._proto = io.to_proto(self.model)
         return self._proto
 
+    @functools.cached_property
+    def needs_external_data(self) -> bool:
+        """Whether the output must keep its weights in a side file (input had them, or > 1 GB)."""
+        return io.needs_external_data(self.model, self.had_external_data)
+
+    def save(self, output: str | os.PathLike) -> Path:
+        """Write the model atomically; reuses the checked ModelProto when it fits in one file."""
+        if self.needs_external_data:
+            return io.save_model(self.model, output, external_data=True)
+        return io.save_proto(self.proto(), output)
+
 
 def default_threshold(dtype: LowDtype) -> float:
     """Calibration pins values above 1/16 of the fp16 range: headroom for later growth."""
@@ -79,12 +92,18 @@ def rewrite_onnx(model: str | os.PathLike | onnx.ModelProto | bytes,
                  **options) -> onnx.ModelProto:
     """Rewrite an FP32 ONNX model to mixed precision; ``options`` as ``rewrite_onnx_model``."""
     with gc_paused():  # one pause around both: re-enabling triggers a full collection
-        return rewrite_onnx_model(model, **options).proto()
+        result = rewrite_onnx_model(model, **options)
+        proto = result.proto()
+        # The IR never leaves this function: free it before the collector resumes, which
+        # would otherwise scan it (~1M objects at 50k nodes) once more.
+        io.release(result.model)
+        del result
+    return proto
 
 
 def _check_output(result: RewriteResult) -> None:
     """The rewritten model must pass the full checker (type inference included)."""
-    if io.needs_external_data(result.model, result.had_external_data):
+    if result.needs_external_data:
         return  # too large for an in-memory check; save_model checks the file by path
     try:
         onnx.checker.check_model(result.proto(), full_check=True)

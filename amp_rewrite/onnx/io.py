@@ -250,6 +250,43 @@ def initializers_undescribed(model: ir.Model) -> Iterator[None]:
             v.type, v.shape = type_, shape
 
 
+def release(model: ir.Model) -> bool:
+    """Unlink an IR that will not be used again, so reference counting frees it at once.
+
+    onnx_ir links nodes, values, graphs and the boxes of its node lists both ways, so a
+    dropped model is ~15 cyclic objects per node that only the cyclic collector frees: ~1 s
+    for a 50k-node chain, a fifth of the rewrite. Unlinked, plain deallocation takes a quarter
+    of that. The links are onnx_ir's private slots (1.x); should they change, this stops at
+    the first missing one, returns False, and the collector frees the rest as before. Either
+    way ``model`` is unusable afterwards.
+    """
+    try:
+        for graph in list(walk_graphs(model.graph)):  # listed first: unlinking stops the walk
+            _unlink_graph(graph)
+    except AttributeError as e:
+        logger.debug("could not unlink the IR (%s); the garbage collector will free it", e)
+        return False
+    return True
+
+
+def _unlink_graph(graph: ir.Graph) -> None:
+    # Cut every cycle once: node <-> its outputs (producer), node <-> its inputs (uses),
+    # node <-> its graph and its attribute map, graph <-> its I/O values and containers,
+    # and the list boxes (each pair of neighbours, the root, the id map).
+    nodes = graph._nodes
+    for node in nodes:
+        node._inputs = node._outputs = ()
+        node._graph = node._attributes._owner = None
+    for value in (*graph.inputs, *graph.outputs, *graph.initializers.values()):
+        value._graph = None
+    for container in (graph._inputs, graph._outputs, graph._initializers):
+        container._graph = None
+    for box in nodes._value_ids_to_boxes.values():
+        box.prev = None
+    nodes._value_ids_to_boxes = {}
+    nodes._root.next = nodes._root.prev = nodes._root.owning_list = None
+
+
 def to_proto(model: ir.Model) -> onnx.ModelProto:
     with initializers_undescribed(model):
         return ir.to_proto(model)
@@ -272,6 +309,18 @@ def save_model(model: ir.Model, output: str | os.PathLike, *, external_data: boo
             os.replace(Path(tmp) / data_name, out.parent / data_name)
         os.replace(tmp_model, out)
     logger.info("wrote %s%s", out, f" (+ {data_name})" if data_name else "")
+    return out
+
+
+def save_proto(proto: onnx.ModelProto, output: str | os.PathLike) -> Path:
+    """Write a checked in-memory model atomically: a temp file in the target directory, then
+    rename. Writing the ModelProto the check already built saves serialising the IR again."""
+    out = Path(output)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".amp_rewrite_") as tmp:
+        tmp_model = Path(tmp) / out.name
+        tmp_model.write_bytes(proto.SerializeToString())
+        os.replace(tmp_model, out)
+    logger.info("wrote %s", out)
     return out
 
 
