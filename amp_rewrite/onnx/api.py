@@ -55,7 +55,7 @@ class RewriteResult:
     def save(self, output: str | os.PathLike) -> Path:
         """Write the model atomically; reuses the checked ModelProto when it fits in one file."""
         if self.needs_external_data:
-            return io.save_model(self.model, output, external_data=True)
+            return io.save_model(self.model, output)
         return io.save_proto(self.proto(), output)
 
 

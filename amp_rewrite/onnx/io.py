@@ -292,36 +292,41 @@ def to_proto(model: ir.Model) -> onnx.ModelProto:
         return ir.to_proto(model)
 
 
-def save_model(model: ir.Model, output: str | os.PathLike, *, external_data: bool) -> Path:
-    """Write ``model`` atomically: temp files in the target directory, then rename.
+def save_model(model: ir.Model, output: str | os.PathLike) -> Path:
+    """Write ``model`` with its weights in ``OUTPUT.data``, atomically (``_staged``).
 
-    A model with external data is checked by path before the rename (in memory it may be too
-    large for protobuf), so an invalid model never lands at ``output``.
+    The file is checked by path before the rename (in memory the model may be too large for
+    protobuf), so an invalid model never lands at ``output``.
     """
     out = Path(output)
-    data_name = out.name + ".data" if external_data else None
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".amp_rewrite_") as tmp:
-        tmp_model = Path(tmp) / out.name
+    data_name = out.name + ".data"
+    with _staged(out) as tmp_model:
         with initializers_undescribed(model):
             ir.save(model, tmp_model, external_data=data_name)
-        if data_name:
-            _check_saved(tmp_model)
-            os.replace(Path(tmp) / data_name, out.parent / data_name)
-        os.replace(tmp_model, out)
-    logger.info("wrote %s%s", out, f" (+ {data_name})" if data_name else "")
+        _check_saved(tmp_model)
+        os.replace(tmp_model.with_name(data_name), out.parent / data_name)
+    logger.info("wrote %s (+ %s)", out, data_name)
     return out
 
 
 def save_proto(proto: onnx.ModelProto, output: str | os.PathLike) -> Path:
-    """Write a checked in-memory model atomically: a temp file in the target directory, then
-    rename. Writing the ModelProto the check already built saves serialising the IR again."""
+    """Write an in-memory model atomically. Writing the ModelProto the check already built
+    saves serialising the IR again."""
     out = Path(output)
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".amp_rewrite_") as tmp:
-        tmp_model = Path(tmp) / out.name
+    with _staged(out) as tmp_model:
         tmp_model.write_bytes(proto.SerializeToString())
-        os.replace(tmp_model, out)
     logger.info("wrote %s", out)
     return out
+
+
+@contextlib.contextmanager
+def _staged(out: Path) -> Iterator[Path]:
+    """A temporary path beside ``out``, renamed to ``out`` only if the block succeeds: the
+    output is never half-written, and the input is never touched."""
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".amp_rewrite_") as tmp:
+        tmp_model = Path(tmp) / out.name
+        yield tmp_model
+        os.replace(tmp_model, out)
 
 
 def _check_saved(path: Path) -> None:

@@ -6,6 +6,19 @@ import onnx.parser
 import pytest
 
 
+# A branch reads values of the outer graph (h, w): the case for capture handling.
+IF_CAPTURES_OUTER = """
+<ir_version: 9, opset_import: ["" : 18]>
+g (float[2, 8] x, bool c) => (float[2, 8] y) <float[8, 8] w> {
+    h = MatMul(x, w)
+    y = If(c) <
+      then_branch = t () => (float[2, 8] o1) { o1 = MatMul(h, w) },
+      else_branch = e () => (float[2, 8] o2) { o2 = Relu(h) }
+    >
+}
+"""
+
+
 def parse(text: str) -> onnx.ModelProto:
     """Parse ONNX text; graph-level declarations without values become zero initializers."""
     model = onnx.parser.parse_model(text)

@@ -12,7 +12,7 @@ import pytest
 from amp_rewrite.errors import ModelError, UsageError
 from amp_rewrite.onnx import io, rewrite_onnx, rewrite_onnx_model
 
-from .conftest import parse
+from .conftest import IF_CAPTURES_OUTER, parse
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "transformer_block.onnx"
 
@@ -82,15 +82,7 @@ def test_rewrite_frees_its_ir_by_reference_counting(example):
 
 
 def test_release_unlinks_subgraphs_and_captured_values():
-    model = parse("""
-    <ir_version: 9, opset_import: ["" : 18]>
-    g (float[2, 8] x, bool c) => (float[2, 8] y) <float[8, 8] w> {
-        h = MatMul(x, w)
-        y = If(c) <
-          then_branch = t () => (float[2, 8] o1) { o1 = MatMul(h, w) },
-          else_branch = e () => (float[2, 8] o2) { o2 = Relu(h) }
-        >
-    }""")
+    model = parse(IF_CAPTURES_OUTER)
 
     def load_and_release() -> None:
         assert io.release(io.load_model(model))

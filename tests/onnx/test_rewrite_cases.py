@@ -15,7 +15,7 @@ from onnx import TensorProto
 
 from amp_rewrite.onnx import rewrite_onnx, rewrite_onnx_model
 
-from .conftest import cast_targets, ops, parse, run_reference
+from .conftest import IF_CAPTURES_OUTER, cast_targets, ops, parse, run_reference
 
 F16, F32, BF16 = TensorProto.FLOAT16, TensorProto.FLOAT, TensorProto.BFLOAT16
 MLP = """
@@ -211,15 +211,7 @@ def test_constants_beyond_fp16_range_are_clamped_and_counted(rng):
 
 
 def test_if_branches_are_rewritten_and_capture_outer_values(rng):
-    model = parse("""
-    <ir_version: 9, opset_import: ["" : 18]>
-    g (float[2, 8] x, bool c) => (float[2, 8] y) <float[8, 8] w> {
-        h = MatMul(x, w)
-        y = If(c) <
-          then_branch = t () => (float[2, 8] o1) { o1 = MatMul(h, w) },
-          else_branch = e () => (float[2, 8] o2) { o2 = Relu(h) }
-        >
-    }""")
+    model = parse(IF_CAPTURES_OUTER)
     fp32 = with_weights(model, rng)
     mixed = rewritten(fp32)
     then = next(n for n in mixed.graph.node if n.op_type == "If").attribute
