@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import warnings
 
+import ml_dtypes
 import numpy as np
 import onnx
 import onnx_ir as ir
@@ -208,6 +209,23 @@ def test_constants_beyond_fp16_range_are_clamped_and_counted(rng):
     mixed = ir.to_proto(result.model)
     big16 = next(i for i in mixed.graph.initializer if i.name == "big")
     assert onnx.numpy_helper.to_array(big16) == np.float16(-65504)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("width", [8, 256])  # 256 KiB of fp32: past the small-tensor form
+def test_stored_weights_equal_a_direct_conversion(rng, dtype, width):
+    model = parse(f"""
+    <ir_version: 9, opset_import: ["" : 18]>
+    g (float[2, {width}] x) => (float[2, {width}] y) <float[{width}, {width}] w> {{
+        y = MatMul(x, w)
+    }}""")
+    fp32 = with_weights(model, rng)
+    mixed = rewritten(fp32, dtype=dtype)
+    (w,) = mixed.graph.initializer
+    expected = onnx.numpy_helper.to_array(fp32.graph.initializer[0]).astype(
+        ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16)
+    assert w.data_type == (BF16 if dtype == "bfloat16" else F16)
+    assert w.raw_data == expected.tobytes() and list(w.dims) == [width, width]
 
 
 def test_if_branches_are_rewritten_and_capture_outer_values(rng):
