@@ -12,6 +12,8 @@ larger models of that variant are then skipped for it. The time is measured insi
 worker around the call that goes from ModelProto to ModelProto (amp_rewrite: check the input,
 load into onnx_ir, rewrite, back to ModelProto). Repeats run round-robin over the converters,
 so a drift in the machine's speed hits all of them alike. Model build time is reported apart.
+Each round starts with a fixed pure-Python loop (``host_probe``), whose times are printed and
+saved, so runs on different days (or a slowdown within a run) can be told apart.
 
     PYTHONPATH=. python tools/bench_onnx_speed.py [--sizes 1000 10000 50000]
         [--converters amp_rewrite onnxconverter_common] [--timeout 300]
@@ -43,6 +45,19 @@ WIDTH, BATCH = 16, 4
 VARIANTS = ("plain", "blocked")
 BLOCK_OPS = {"plain": ("MatMul", "Add", "Relu"), "blocked": ("MatMul", "Add", "Relu", "CumSum")}
 BASELINE = "amp_rewrite"
+PROBE_ITERATIONS = 10_000_000
+
+
+def host_probe() -> float:
+    """Seconds for a fixed pure-Python loop: the host's speed at this moment (lower is faster).
+
+    The shared host's speed varies up to 2x over minutes; converters are compared within one
+    round, and this number says how fast the host was for that round.
+    """
+    start, total = time.perf_counter(), 0
+    for i in range(PROBE_ITERATIONS):
+        total += i
+    return time.perf_counter() - start
 
 
 def build_chain(n_nodes: int, variant: str, seed: int = 0) -> onnx.ModelProto:
@@ -88,6 +103,7 @@ class Bench:
         self.dtype, self.timeout, self.tmp = dtype, timeout, tmp
         self.workers = {name: peers.CONVERTERS[name].worker() for name in names}
         self.timed_out: set[tuple[str, str]] = set()
+        self.probes: list[dict[str, Any]] = []  # one host_probe per round
         warmup = tmp / "warmup.onnx"
         onnx.save(build_chain(8, "blocked"), warmup)
         for name, worker in self.workers.items():
@@ -104,6 +120,7 @@ class Bench:
         runs = {name: self._first_state(name, variant) for name in names}
         with tqdm(total=repeats * len(names), desc=model_path.stem, leave=False) as bar:
             for _ in range(repeats):
+                self.probes.append({"model": model_path.stem, "seconds": host_probe()})
                 for name in names:
                     if runs[name]["status"] == "ok":
                         self._time_once(name, model_path, variant, runs[name])
@@ -222,10 +239,14 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(rows))
     print("model build (not counted): " + ", ".join(
         f"{m['variant']} {m['nodes']}: {m['build_seconds']:.2f} s" for m in models))
+    probes = [p["seconds"] for p in bench.probes]
+    if probes:
+        print(f"host probe ({PROBE_ITERATIONS:,}-step Python loop, per round): "
+              f"{min(probes):.3f} to {max(probes):.3f} s")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {"dtype": args.dtype, "timeout": args.timeout, "python": sys.version.split()[0],
               "machine": platform.platform(), "processor": platform.processor(),
-              "models": models, "runs": rows}
+              "models": models, "runs": rows, "host_probes": bench.probes}
     args.out.write_text(json.dumps(report, indent=1))
     print(f"wrote {args.out}")
     return 0
