@@ -180,13 +180,8 @@ def _stored_tensor(array: np.ndarray, name: str | None) -> ir.TensorProtocol:
     if array.nbytes > SMALL_TENSOR_BYTES or sys.byteorder != "little":  # raw_data is LE
         return ir.Tensor(array, name=name)
     proto = onnx.TensorProto(name=name, dims=array.shape, raw_data=array.tobytes(),
-                             data_type=_PROTO_TYPES[array.dtype])
+                             data_type=int(ir.DataType.from_numpy(array.dtype)))
     return ir.serde.TensorProtoTensor(proto)
-
-
-_PROTO_TYPES = {np.dtype(np.float32): onnx.TensorProto.FLOAT,
-                np.dtype(np.float16): onnx.TensorProto.FLOAT16,
-                np.dtype(ml_dtypes.bfloat16): onnx.TensorProto.BFLOAT16}
 
 
 def _count_conversion(value: ir.Value, array: np.ndarray, clamped: int, stats) -> None:
