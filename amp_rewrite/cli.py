@@ -174,6 +174,8 @@ def _print_summary(r: dict) -> None:
             ("values clamped", r["values_clamped"]),
             ("unlisted ops (kept fp32)", ", ".join(r["unlisted_ops"]) or "none"),
             ("time", f"{r['seconds']:.2f} s")]
+    if r["identity_casts_removed"]:
+        rows.insert(4, ("identity casts removed", r["identity_casts_removed"]))
     if not r["modified"]:
         rows.insert(2, ("note", "nothing to change (no float32 compute, or already converted)"))
     width = max(len(k) for k, _ in rows)

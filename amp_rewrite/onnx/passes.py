@@ -73,6 +73,7 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
             "dtype": self.options.dtype.value,
             "nodes": records,
             "casts_inserted": s.casts_inserted,
+            "identity_casts_removed": s.identity_casts_removed,
             "cast_bytes_planned": self.plan.cast_units,
             "precision_counts": precision_counts(records),
             "nodes_retyped": s.nodes_retyped,

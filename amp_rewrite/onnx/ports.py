@@ -43,6 +43,9 @@ class PortGroup:
     outputs: tuple[int, ...]
     fixed_reason: str | None  # why the group cannot run low; None if it may
     retype_attribute: str | None = None  # attribute that sets the output dtype, if any
+    # False for the converted input of Cast, CastLike, EyeLike, ...: the op converts whatever
+    # it reads, so reading it low saves nothing that a Cast in front would not cost again.
+    saves_traffic: bool = True
 
     @functools.cached_property  # port groups are cached and shared: computed once
     def label(self) -> str:
@@ -143,7 +146,9 @@ def _merge(node: ir.Node, schema, by_tvar, low: LowDtype) -> list[PortGroup]:
         key = (tvar,) if independent or reason else ("merged",)
         slot = merged.setdefault(key, [[], [], [], reason, attr])
         slot[0].append(tvar), slot[1].extend(ins), slot[2].extend(outs)
-    return [PortGroup(tuple(t), tuple(sorted(i)), tuple(sorted(o)), r, a)
+    converts = node.op_type in INDEPENDENT_TYPE_VARS
+    return [PortGroup(tuple(t), tuple(sorted(i)), tuple(sorted(o)), r, a,
+                      saves_traffic=not (converts and not o))
             for t, i, o, r, a in merged.values()]
 
 

@@ -17,6 +17,7 @@ from amp_rewrite.onnx.io import INFERRED_SIZES, SYMBOLIC_DIM_EXTENT, walk_graphs
 from amp_rewrite.onnx.ports import PortGroup, is_candidate, node_opset, port_groups, to_ir_dtype
 
 INSERTED_TAG = "amp_rewrite.inserted"
+CAST_OPS = ("Cast", "CastLike")
 
 
 @dataclass
@@ -29,6 +30,9 @@ class OnnxView:
     groups: dict[tuple, tuple[ir.Node, PortGroup]] = field(default_factory=dict)
     sources: dict[tuple, tuple[ir.Graph, ir.Value, ir.Node | None]] = field(default_factory=dict)
     sinks: dict[tuple, tuple[ir.Graph, int]] = field(default_factory=dict)
+    # The model's own Cast/CastLike nodes with their (input, output) dtypes before the rewrite
+    # (``apply`` removes those the rewrite changes into identities).
+    model_casts: list[tuple[ir.Node, tuple]] = field(default_factory=list)
 
 
 def value_nbytes(value: ir.Value, inferred: dict[str, int | None]) -> int | None:
@@ -117,6 +121,8 @@ def _add_node(view: OnnxView, node: ir.Node, opset: int, low_ir: ir.DataType) ->
         return
     # Only casts are ever tagged; asking every node would give each an empty metadata dict.
     tagged = op_type == "Cast" and INSERTED_TAG in node.metadata_props
+    if op_type in CAST_OPS and domain == "" and not tagged:
+        view.model_casts.append((node, cast_dtypes(node)))
     op_key = op_type if domain == "" else f"{domain}::{op_type}"
     inputs, outputs, name = node.inputs, node.outputs, node.name or ""
     for index, pg in enumerate(groups):
@@ -125,8 +131,14 @@ def _add_node(view: OnnxView, node: ir.Node, opset: int, low_ir: ir.DataType) ->
         fixed, reason = _group_fix(pg, reads + writes, low_ir, tagged)
         key = ("node", node, index)
         view.groups[key] = (node, pg)
-        info = GroupInfo(key, node, name, op_key, fixed, reason, tvar=pg.label)
+        info = GroupInfo(key, node, name, op_key, fixed, reason, savings=pg.saves_traffic,
+                         tvar=pg.label)
         view.graph.add_group(info, inputs=reads, outputs=writes)
+
+
+def cast_dtypes(cast: ir.Node) -> tuple[ir.DataType | None, ir.DataType | None]:
+    """(input dtype, output dtype) of a Cast or CastLike."""
+    return cast.inputs[0].dtype, cast.outputs[0].dtype
 
 
 def _group_fix(pg: PortGroup, values, low_ir, tagged) -> tuple[Precision | None, str]:
