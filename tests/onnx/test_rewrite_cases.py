@@ -395,3 +395,59 @@ def test_initializer_that_is_also_an_input_stays_overridable(rng):
     override = {"x": rng.standard_normal((2, 8)).astype(np.float32),
                 "w": rng.standard_normal((8, 8)).astype(np.float32)}
     check_close(fp32, mixed, override)
+
+
+def test_model_cast_retyped_into_an_identity_is_bypassed(rng):
+    """``Cast<to=float>`` between two low ops would become Cast(fp16 -> fp16): removed, so only
+    the two boundary casts remain; a second run finds nothing more to remove."""
+    model = parse("""
+    <ir_version: 9, opset_import: ["" : 18]>
+    g (float[2, 8] x) => (float[2, 8] y) <float[8, 8] w1, float[8, 8] w2> {
+        h = MatMul(x, w1)
+        hf = Cast <to = 1> (h)
+        a = Relu(hf)
+        y = MatMul(a, w2)
+    }""")
+    fp32 = with_weights(model, rng)
+    result = rewrite_onnx_model(fp32)
+    mixed = result.proto()
+    onnx.checker.check_model(mixed, full_check=True)
+    assert ops(mixed) == ["Cast", "MatMul", "Relu", "MatMul", "Cast"]
+    assert result.report["identity_casts_removed"] == 1
+    check_close(fp32, mixed, {"x": rng.standard_normal((2, 8)).astype(np.float32)})
+    again = rewrite_onnx_model(mixed).report
+    assert not again["modified"] and again["identity_casts_removed"] == 0
+
+
+def test_identity_cast_the_rewrite_leaves_alone_is_kept(rng):
+    """Only casts whose dtypes the rewrite changed are removed: an fp32 -> fp32 Cast in front
+    of a deny op stays as the model wrote it."""
+    model = parse("""
+    <ir_version: 9, opset_import: ["" : 18]>
+    g (float[2, 8] x) => (float[2, 8] y) {
+        c = Cast <to = 1> (x)
+        y = Exp(c)
+    }""")
+    result = rewrite_onnx_model(model)
+    assert ops(result.proto()) == ["Cast", "Exp"]
+    assert result.report["identity_casts_removed"] == 0 and not result.report["modified"]
+
+
+@pytest.mark.parametrize("op", ["Cast <to = 10> (c)", "CastLike (c, x16)"])
+def test_cast_reads_its_input_as_produced_when_savings_count(rng, op):
+    """A Cast or CastLike converts whatever it reads, so at savings weight 1 the constant goes
+    in as fp32; a Cast in front of it (fp32 -> fp16 -> fp16) would only add a kernel."""
+    model = parse(f"""
+    <ir_version: 9, opset_import: ["" : 18]>
+    g (float[2, 8] x) => (float[2, 8] y) {{
+        c = Constant <value_float: float = 0.5> ()
+        x16 = Cast <to = 10> (x)
+        k = {op}
+        s = Mul(x16, k)
+        y = Cast <to = 1> (s)
+    }}""")
+    mixed = rewritten(model, savings_weight=1.0)
+    assert ops(mixed) == ops(model)  # nothing inserted, nothing removed
+    converter = mixed.graph.node[2]
+    assert converter.input[0] == "c"
+    check_close(model, mixed, {"x": rng.standard_normal((2, 8)).astype(np.float32)})
