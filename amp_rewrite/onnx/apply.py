@@ -3,9 +3,10 @@
 Steps: retype the outputs of low groups (and the attributes that set them), convert constants
 read only at low precision, insert one Cast per planned (value, dtype), right after the
 producer and shared by its consumers, then bypass the model's casts that the retyping turned
-into identities. Constants need no runtime Cast: a converted copy is stored instead. Nodes the pass creates carry ``amp_rewrite.inserted`` and a reason in metadata_props;
-retyped nodes carry nothing (their reasons are in the report): on a 50k-node model the
-annotations made the file 39% larger and the output check 27% slower.
+into identities. Constants need no runtime Cast: a converted copy is stored instead. Nodes the
+pass creates carry ``amp_rewrite.inserted`` and a reason in metadata_props; retyped nodes carry
+nothing (their reasons are in the report): on a 50k-node model the annotations made the file
+39% larger and the output check 27% slower.
 """
 from __future__ import annotations
 
