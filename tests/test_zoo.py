@@ -16,7 +16,7 @@ import onnx
 import pytest
 import torch
 
-from amp_rewrite import zoo
+from amp_rewrite.bench import zoo
 from amp_rewrite.errors import UsageError
 
 # Hand-derived from the configs in zoo.py: batch 2, 16 tokens (8 decoder tokens), vocab 128,
@@ -67,7 +67,7 @@ def test_names_cover_required_architectures() -> None:
 
 
 def test_import_does_not_load_torch() -> None:
-    code = "import sys, amp_rewrite.zoo; print('torch' in sys.modules, 'onnx' in sys.modules)"
+    code = "import sys, amp_rewrite.bench.zoo; print('torch' in sys.modules, 'onnx' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]  # transformers needs torch: covered
 

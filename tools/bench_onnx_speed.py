@@ -37,7 +37,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 from tqdm import tqdm
 
-from amp_rewrite.onnx import corpus, peers
+from amp_rewrite.bench import corpus, peers
 
 log = logging.getLogger("bench_onnx_speed")
 

@@ -1,7 +1,7 @@
 """amp_rewrite next to its peers on real architectures (the zoo's ONNX exports).
 
 Every converter gets the same FP32 model (torch.onnx dynamo export, random weights) and is
-judged as in the node-test corpus (amp_rewrite.onnx.corpus.evaluate): checker, onnxruntime and
+judged as in the node-test corpus (amp_rewrite.bench.corpus.evaluate): checker, onnxruntime and
 onnx.reference against the FP32 onnxruntime outputs, Cast count, share of values in low
 precision, conversion time. Prints a table per model and totals per converter; writes JSON.
 
@@ -22,8 +22,9 @@ import numpy as np
 import onnx
 from tqdm import tqdm
 
-from amp_rewrite import zoo
-from amp_rewrite.onnx import corpus, peers, validate
+from amp_rewrite.bench import zoo
+from amp_rewrite.bench import corpus, peers
+from amp_rewrite.onnx import validate
 
 log = logging.getLogger("compare_real_models")
 COLUMNS = ["model", "converter", "valid", "ort_rel", "ref_rel", "casts", "low_share", "seconds",

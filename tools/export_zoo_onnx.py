@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from amp_rewrite import zoo
+from amp_rewrite.bench import zoo
 
 log = logging.getLogger("export_zoo_onnx")
 

@@ -31,11 +31,11 @@ from pathlib import Path
 
 import torch
 
-from amp_rewrite import zoo
+from amp_rewrite.bench import zoo
 from amp_rewrite.core import LowDtype
 from amp_rewrite.fx import rewrite_graph
 from amp_rewrite.fx.capture import capture
-from amp_rewrite.fx.measure import compare_with_autocast
+from amp_rewrite.bench.measure import compare_with_autocast
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 

@@ -1,8 +1,8 @@
 """Run FP32 -> FP16/BF16 converters over ONNX's operator tests and compare them.
 
 The corpus is every ``onnx.backend.test`` node test that holds a float32 tensor and whose
-FP32 model onnxruntime (CPU) reproduces (see ``amp_rewrite.onnx.corpus``). Each converter
-(amp_rewrite and the peers of ``amp_rewrite.onnx.peers``) converts every case to each
+FP32 model onnxruntime (CPU) reproduces (see ``amp_rewrite.bench.corpus``). Each converter
+(amp_rewrite and the peers of ``amp_rewrite.bench.peers``) converts every case to each
 dtype it supports; the converted model must pass ``onnx.checker`` (full check), and match
 the expected outputs under onnxruntime and under ``onnx.reference.ReferenceEvaluator``
 (per-dtype tolerances; NaN/Inf where FP32 had none fails). Prints one table row per
@@ -27,7 +27,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from amp_rewrite.onnx import corpus, peers
+from amp_rewrite.bench import corpus, peers
 
 COLUMNS = [  # (header, summary key, format)
     ("converter", "converter", "{}"),

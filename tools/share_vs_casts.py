@@ -27,7 +27,7 @@ from tqdm import tqdm
 import amp_rewrite
 from amp_rewrite.core import load_rules
 from amp_rewrite.core.precision import OpClass
-from amp_rewrite.onnx import corpus, peers
+from amp_rewrite.bench import corpus, peers
 
 FP32_CLASSES = {OpClass.DENY, OpClass.UNLISTED}
 

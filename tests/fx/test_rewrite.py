@@ -13,7 +13,7 @@ from torch import nn
 
 import amp_rewrite
 from amp_rewrite.fx import rewrite_graph
-from amp_rewrite.fx.measure import count_conversions, relative_error
+from amp_rewrite.bench.measure import count_conversions, relative_error
 from amp_rewrite.errors import UsageError
 
 from .conftest import casts, node, out_dtype

@@ -13,7 +13,7 @@ import onnx.parser
 import pytest
 
 from amp_rewrite.errors import UsageError
-from amp_rewrite.onnx import corpus, peers
+from amp_rewrite.bench import corpus, peers
 
 TOL16 = corpus.TOLERANCES["float16"]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from amp_rewrite.onnx import corpus, peers
+from amp_rewrite.bench import corpus, peers
 
 MIN_VALID = 0.99
 

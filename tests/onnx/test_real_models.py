@@ -11,7 +11,7 @@ import onnx
 import onnx_ir as ir
 import pytest
 
-from amp_rewrite import zoo
+from amp_rewrite.bench import zoo
 from amp_rewrite.onnx import rewrite_onnx_model, validate
 
 MODELS = ["bert", "gpt2", "t5", "bart", "vit", "swin", "resnet", "convnext", "llama",

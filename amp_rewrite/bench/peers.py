@@ -37,7 +37,7 @@ from pathlib import Path
 import onnx
 
 from amp_rewrite.errors import AmpRewriteError, UsageError
-from amp_rewrite.onnx.corpus import canonical_dtype
+from amp_rewrite.bench.corpus import canonical_dtype
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ depthwise convs, group norm, interpolation.  Every model here is built from a ``
 config (no downloads), shrunk to hidden sizes of 16-64, two layers and 32x32/64x64 images or
 16-token sequences, so exporting and running one takes seconds.
 
-``import amp_rewrite.zoo`` is cheap: torch, transformers and onnx are imported only inside
+``import amp_rewrite.bench.zoo`` is cheap: torch, transformers and onnx are imported only inside
 functions.
 
 Each model is wrapped so that it takes plain tensors (positional, in forward-signature order)
@@ -493,7 +493,7 @@ def default_cache_dir() -> Path:
     env = os.environ.get("AMP_REWRITE_CACHE")
     if env:
         return Path(env)
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]
     if (repo / "pyproject.toml").is_file() and os.access(repo, os.W_OK):
         return repo / ".cache" / "zoo"
     return Path(tempfile.gettempdir()) / "amp_rewrite_zoo"

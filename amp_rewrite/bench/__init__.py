@@ -1,0 +1,7 @@
+"""What measures the product and is not the product (DESIGN §6).
+
+``zoo`` (real ``transformers`` architectures with random weights), ``corpus`` (the ONNX backend
+node-test corpus runner and its judgement), ``peers`` (the converters we measure against) and
+``measure`` (conversion counting and error metrics for torch graphs). ``tools/`` and ``tests/``
+import these; the adapters (``amp_rewrite.onnx``, ``amp_rewrite.fx``) never do.
+"""
