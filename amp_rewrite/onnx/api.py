@@ -52,11 +52,12 @@ class RewriteResult:
         """Whether the output must keep its weights in a side file (input had them, or > 1 GB)."""
         return io.needs_external_data(self.model, self.had_external_data)
 
-    def save(self, output: str | os.PathLike) -> Path:
-        """Write the model atomically; reuses the checked ModelProto when it fits in one file."""
+    def save(self, output: str | os.PathLike, keep: Iterable[str | os.PathLike] = ()) -> Path:
+        """Write the model atomically; reuses the checked ModelProto when it fits in one file.
+        ``keep``: files the run reads, never removed as stale data files of ``output``."""
         if self.needs_external_data:
-            return io.save_model(self.model, output)
-        return io.save_proto(self.proto(), output)
+            return io.save_model(self.model, output, keep)
+        return io.save_proto(self.proto(), output, keep)
 
 
 def default_threshold(dtype: LowDtype) -> float:
@@ -64,7 +65,7 @@ def default_threshold(dtype: LowDtype) -> float:
     return 4096.0 if dtype is LowDtype.FLOAT16 else 1e37
 
 
-def rewrite_onnx_model(source: str | os.PathLike | onnx.ModelProto | bytes, *,
+def rewrite_onnx_model(source: str | os.PathLike | onnx.ModelProto | bytes | ir.Model, *,
                        dtype: str | LowDtype = "float16", keep_io_types: bool = True,
                        rules: Iterable[str | os.PathLike] = (), keep_fp32: Iterable[str] = (),
                        calibration_data: Mapping[str, np.ndarray] | str | os.PathLike | None = None,

@@ -5,8 +5,11 @@ import contextlib
 import logging
 import math
 import os
+import re
+import secrets
+import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import onnx
@@ -42,16 +45,18 @@ def walk_graphs(graph: ir.Graph) -> Iterator[ir.Graph]:
                     yield from walk_graphs(sub)
 
 
-def load_model(source: str | os.PathLike | onnx.ModelProto | bytes) -> ir.Model:
+def load_model(source: str | os.PathLike | onnx.ModelProto | bytes | ir.Model) -> ir.Model:
     """An onnx_ir model from a path (external data stays on disk, memory-mapped), a
     ModelProto (never mutated) or its serialized bytes, with ONNX shape inference filled in
-    where it was missing."""
+    where it was missing. An ``ir.Model`` this function returned is passed through."""
+    if isinstance(source, ir.Model):
+        return source
     if isinstance(source, bytes):
         source = _parse_bytes(source)
     if isinstance(source, onnx.ModelProto):
         _check_input(source, "<ModelProto>")
-        proto = _inline_local_functions(source)
-        return _from_proto(proto)
+        proto = _inline_local_functions(source, "<ModelProto>")
+        return _from_proto(proto, "<ModelProto>")
     path = check_input_path(source)
     try:
         proto = onnx.load(str(path), load_external_data=False)
@@ -60,9 +65,13 @@ def load_model(source: str | os.PathLike | onnx.ModelProto | bytes) -> ir.Model:
                          "check that the file is complete and really ONNX") from None
     if not proto.graph.node and not proto.graph.input and not proto.graph.output:
         raise ModelError(f"{path}: not an ONNX model (no graph found); is it truncated?")
-    _check_input(path if _has_external_data(proto) else proto, str(path))
-    proto = _inline_local_functions(proto)
-    model = _from_proto(proto)
+    if _has_external_data(proto):
+        _check_external_extents(proto, path)
+        _check_input(path, str(path))
+    else:
+        _check_input(proto, str(path))
+    proto = _inline_local_functions(proto, str(path))
+    model = _from_proto(proto, str(path))
     ir.external_data.set_base_dir(model.graph, path.parent)
     return model
 
@@ -79,6 +88,9 @@ def check_input_path(source: str | os.PathLike) -> Path:
         raise UsageError(f"model must be a path, an onnx.ModelProto or its serialized bytes; "
                          f"got {type(source).__name__}")
     path = Path(source)
+    if path.suffix.lower() in TORCH_SUFFIXES:
+        raise UsageError(f"{path}: a PyTorch checkpoint, not an ONNX model; rewrite the "
+                         "nn.Module in Python with amp_rewrite.rewrite(module, example_inputs)")
     if path.is_dir():
         raise ModelError(f"{path}: is a directory; pass the path of an .onnx model")
     if not path.is_file():
@@ -86,7 +98,7 @@ def check_input_path(source: str | os.PathLike) -> Path:
     return path
 
 
-def _inline_local_functions(proto: onnx.ModelProto) -> onnx.ModelProto:
+def _inline_local_functions(proto: onnx.ModelProto, label: str) -> onnx.ModelProto:
     """Calls of model-local functions replaced by their bodies (a new proto).
 
     Precision is decided per call site, and a function body is shared by all its calls, so
@@ -96,13 +108,136 @@ def _inline_local_functions(proto: onnx.ModelProto) -> onnx.ModelProto:
     if not proto.functions:
         return proto
     logger.info("inlining %d model-local functions", len(proto.functions))
-    return onnx.inliner.inline_local_functions(proto)
+    try:
+        return onnx.inliner.inline_local_functions(proto)
+    except Exception as e:  # the C++ inliner asserts: too many actuals, recursion, ...
+        raise ModelError(f"{label}: its model-local functions cannot be inlined "
+                         f"({_first_line(e)}); fix the function calls in the exporter") from None
 
 
-def _from_proto(proto: onnx.ModelProto) -> ir.Model:
-    model = ir.from_proto(proto)
+def _from_proto(proto: onnx.ModelProto, label: str) -> ir.Model:
+    try:
+        model = ir.from_proto(proto)
+    except Exception as e:  # an unknown elem_type, a malformed attribute, ...
+        cause = e.__cause__ or e
+        raise ModelError(f"{label}: unsupported ONNX content ({type(cause).__name__}: "
+                         f"{_first_line(cause)}); check the exporter's output") from None
+    text_repaired = _repair_text(model)
+    if text_repaired:
+        logger.warning("%s: %d string fields were not valid UTF-8; written with the bad bytes "
+                       "escaped (\\xNN)", label, text_repaired)
+    _check_type_attributes(model, label)
     model.meta[DESCRIBED_INITIALIZERS] = _value_info_names(proto.graph)
     return _with_inferred_facts(model, proto)
+
+
+TORCH_SUFFIXES = (".pt", ".pth", ".ckpt")
+# Attributes whose int is a TensorProto.DataType (Cast, CastLike's saturate aside,
+# SequenceEmpty, EyeLike, RandomNormal*, Multinomial, Bernoulli, ...).
+DTYPE_ATTRIBUTES = frozenset({"to", "dtype"})
+
+
+def _text(raw: str | bytes) -> str:
+    """A protobuf string field as text: python-protobuf hands invalid UTF-8 back as bytes
+    (proto2 does not validate), which cannot be written back; the bad bytes are escaped."""
+    return raw.decode("utf-8", errors="backslashreplace")
+
+
+def _repair_text(model: ir.Model) -> int:
+    """Invalid UTF-8 in any string field turned into escaped text, in place; the count.
+
+    Such models pass the checker and run in onnxruntime, but onnx_ir cannot serialise the
+    bytes. The same bytes always give the same text, so references between names stay
+    consistent.
+    """
+    count = 0
+    for obj in (model, *walk_graphs(model.graph)):
+        count += _repair_fields(obj, ("producer_name", "producer_version", "domain",
+                                      "doc_string", "name"))
+    for g in walk_graphs(model.graph):
+        for v in (*g.inputs, *g.initializers.values()):
+            count += _repair_fields(v, ("name", "doc_string"))
+        for node in g:
+            count += _repair_fields(node, ("name", "doc_string"))
+            for v in node.outputs:
+                if type(v.name) is bytes:
+                    v.name, count = _text(v.name), count + 1
+    return count
+
+
+def _repair_fields(obj, fields: tuple[str, ...]) -> int:
+    count = 0
+    for f in fields:
+        raw = getattr(obj, f, None)
+        if type(raw) is bytes:
+            setattr(obj, f, _text(raw))
+            count += 1
+    props = getattr(obj, "metadata_props", None)
+    if props and any(type(k) is bytes or type(v) is bytes for k, v in props.items()):
+        fixed = {_text(k) if type(k) is bytes else k: _text(v) if type(v) is bytes else v
+                 for k, v in props.items()}
+        count += len(props)
+        props.clear()
+        props.update(fixed)
+    return count
+
+
+def _check_type_attributes(model: ir.Model, label: str) -> None:
+    """A dtype attribute no runtime can honour (``Cast to=99``) is a bad model (exit 3); the
+    checker lets it pass and the rewrite would copy it into the output."""
+    valid = {int(d) for d in ir.DataType}
+    for g in walk_graphs(model.graph):
+        for node in g:
+            if not node.attributes or node.domain not in ("", "ai.onnx"):
+                continue
+            for name in DTYPE_ATTRIBUTES & node.attributes.keys():
+                attr = node.attributes[name]
+                if attr.type == ir.AttributeType.INT and (attr.value not in valid
+                                                          or attr.value == 0):
+                    raise ModelError(
+                        f"{label}: node {node.name or '(unnamed)'} ({node.op_type}): "
+                        f"attribute {name}={attr.value} is not an ONNX data type; "
+                        "fix or remove the node")
+
+
+def _check_external_extents(proto: onnx.ModelProto, path: Path) -> None:
+    """Every external tensor lies inside its file: onnx_ir would fail later with a bare
+    ValueError (offset past the end) or memory-map less than the tensor needs."""
+    sizes: dict[str, int] = {}
+    for t in proto.graph.initializer:
+        if t.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        info = {kv.key: kv.value for kv in t.external_data}
+        location = info.get("location", "")
+        data = path.parent / location
+        if location not in sizes:
+            sizes[location] = data.stat().st_size if data.is_file() else -1
+        size = sizes[location]
+        if size < 0:
+            raise ModelError(f"{path}: tensor {t.name}: external data file {data} is missing; "
+                             "copy it beside the model")
+        try:
+            offset, length = int(info.get("offset", 0)), info.get("length")
+            length = int(length) if length is not None else None
+        except ValueError:
+            raise ModelError(f"{path}: tensor {t.name}: external data offset/length are not "
+                             "integers") from None
+        needed = _tensor_bytes(t)
+        if offset < 0 or offset + (length or 0) > size or (
+                needed is not None and offset + needed > size) or (
+                length is not None and needed is not None and length < needed):
+            raise ModelError(f"{path}: tensor {t.name}: external data (offset {offset}, length "
+                             f"{length}, {needed} bytes needed) lies beyond the end of {data} "
+                             f"({size} bytes); the data file does not belong to this model or "
+                             "is truncated")
+
+
+def _tensor_bytes(t: onnx.TensorProto) -> int | None:
+    try:
+        itemsize = onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+    except Exception:  # unknown or sub-byte types: the length check alone
+        return None
+    return itemsize * math.prod(t.dims)
 
 
 def _value_info_names(graph: onnx.GraphProto) -> set[str]:
@@ -151,7 +286,8 @@ def _with_inferred_facts(model: ir.Model, proto: onnx.ModelProto) -> ir.Model:
     return model
 
 
-TensorFact = tuple[ir.DataType, int | None]  # (dtype, bytes in fp32 or None)
+TensorFact = tuple[ir.DataType, int | None]
+_KNOWN_ELEM_TYPES = frozenset(int(d) for d in ir.DataType)  # (dtype, bytes in fp32 or None)
 
 
 def _tensor_facts(graph: onnx.GraphProto, by_type: dict[bytes, TensorFact | None]
@@ -177,7 +313,7 @@ def _tensor_facts(graph: onnx.GraphProto, by_type: dict[bytes, TensorFact | None
 
 def _type_fact(tp: onnx.TypeProto) -> TensorFact | None:
     t = tp.tensor_type if tp.HasField("tensor_type") else None
-    if t is None or not t.elem_type:
+    if t is None or not t.elem_type or t.elem_type not in _KNOWN_ELEM_TYPES:
         return None
     if not t.HasField("shape"):
         return ir.DataType(t.elem_type), None
@@ -207,17 +343,59 @@ def default_output_path(input_path: str | os.PathLike) -> Path:
 
 
 def check_output_path(input_path: str | os.PathLike | None, output: str | os.PathLike) -> Path:
-    """The file to write: ``output``, or the default name inside it when it is a directory."""
+    """The file to write: ``output``, or the default name inside it when it is a directory
+    (``DIR/`` with a trailing slash must be one). Its directory must exist and be writable."""
     out = Path(output)
     if out.is_dir():
         if input_path is None:
             raise UsageError(f"{out}: is a directory; give the output file name")
         out = out / default_output_path(input_path).name
-    if input_path is not None and out.resolve() == Path(input_path).resolve():
+    elif str(output).endswith((os.sep, "/")):
+        raise UsageError(f"{output}: directory does not exist; create it or give a file name")
+    if input_path is not None and _identity(out) == _identity(Path(input_path)):
         raise UsageError(f"{out}: the output would overwrite the input; choose another -o path")
-    if not out.parent.is_dir():
-        raise UsageError(f"{out}: directory {out.parent} does not exist")
+    check_writable_file(out, "-o")
     return out
+
+
+def check_writable_file(path: Path, flag: str) -> None:
+    """``path`` can be created or replaced: not a directory, in a writable directory."""
+    if path.is_dir():
+        raise UsageError(f"{flag} {path}: is a directory; give a file name")
+    parent = path.parent
+    if not parent.is_dir():
+        raise UsageError(f"{flag} {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path}: directory {parent} is not writable; choose another")
+
+
+def check_path_conflicts(reads: Mapping[str, Iterable[str | os.PathLike]],
+                         writes: Mapping[str, str | os.PathLike]) -> None:
+    """No file the run writes is one it reads, nor another file it writes (symlinks, hard
+    links and relative paths resolved): exit 2 before anything is written.
+
+    ``reads``: label -> paths (the model, its external-data files, calibration data, rule
+    files); ``writes``: label -> path (-o, --report).
+    """
+    read_ids = {_identity(Path(p)): (label, p) for label, paths in reads.items() for p in paths}
+    written: dict[tuple, str] = {}
+    for label, path in writes.items():
+        ident = _identity(Path(path))
+        if ident in read_ids:
+            what, source = read_ids[ident]
+            raise UsageError(f"{label} {path} is {what} {source}; writing it would destroy an "
+                             "input: choose another path")
+        if ident in written:
+            raise UsageError(f"{label} {path} is also the {written[ident]} path; give each "
+                             "output its own file")
+        written[ident] = label
+
+
+def external_data_files(model: ir.Model) -> list[Path]:
+    """The files the model's initializers are stored in (subgraphs included)."""
+    files = {Path(v.const_value.path) for g in walk_graphs(model.graph)
+             for v in g.initializers.values() if isinstance(v.const_value, ir.ExternalTensor)}
+    return sorted(files)
 
 
 def needs_external_data(model: ir.Model, had_external: bool) -> bool:
@@ -292,41 +470,135 @@ def to_proto(model: ir.Model) -> onnx.ModelProto:
         return ir.to_proto(model)
 
 
-def save_model(model: ir.Model, output: str | os.PathLike) -> Path:
-    """Write ``model`` with its weights in ``OUTPUT.data``, atomically (``_staged``).
+def save_model(model: ir.Model, output: str | os.PathLike,
+               keep: Iterable[str | os.PathLike] = ()) -> Path:
+    """Write ``model`` with its weights in a data file beside it, committed as a pair.
 
-    The file is checked by path before the rename (in memory the model may be too large for
-    protobuf), so an invalid model never lands at ``output``.
+    The data file's name is new for each write (``OUTPUT.<token>.data``), so replacing the
+    model file is the single commit: a run killed before it leaves the old model with its old
+    weights, one killed after it the new pair. Data files of earlier writes to ``output`` go
+    only after the commit, except those in ``keep`` (files the run reads). The file is checked
+    by path before the commit (in memory the model may be too large for protobuf), so an
+    invalid model never lands at ``output``.
     """
     out = Path(output)
-    data_name = out.name + ".data"
+    data_name = f"{out.name}.{secrets.token_hex(4)}{DATA_SUFFIX}"
     with _staged(out) as tmp_model:
         with initializers_undescribed(model):
             ir.save(model, tmp_model, external_data=data_name)
         _check_saved(tmp_model)
         os.replace(tmp_model.with_name(data_name), out.parent / data_name)
+        _commit(tmp_model, out, keep)
     logger.info("wrote %s (+ %s)", out, data_name)
     return out
 
 
-def save_proto(proto: onnx.ModelProto, output: str | os.PathLike) -> Path:
+def save_proto(proto: onnx.ModelProto, output: str | os.PathLike,
+               keep: Iterable[str | os.PathLike] = ()) -> Path:
     """Write an in-memory model atomically. Writing the ModelProto the check already built
     saves serialising the IR again."""
     out = Path(output)
     with _staged(out) as tmp_model:
         tmp_model.write_bytes(proto.SerializeToString())
+        _commit(tmp_model, out, keep)
     logger.info("wrote %s", out)
     return out
 
 
+def write_bytes_atomically(path: str | os.PathLike, data: bytes) -> Path:
+    """Write ``data`` to ``path`` by rename: never half-written (reports, side files)."""
+    path = Path(path)
+    with _staged(path) as tmp:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    return path
+
+
+DATA_SUFFIX = ".data"
+TEMP_PREFIX = ".amp_rewrite_tmp-"  # + pid + "-" + random: see remove_stale_temp_dirs
+
+
+def _commit(tmp_model: Path, out: Path, keep: Iterable[str | os.PathLike]) -> None:
+    """Replace ``out`` by ``tmp_model`` (one rename), then remove data files of ours that
+    the replaced model or a killed earlier write left and nothing references any more."""
+    before = _our_data_files(out)
+    os.replace(tmp_model, out)
+    referenced = _referenced_data_files(out)
+    kept = {_identity(Path(p)) for p in keep}
+    for stale in before:
+        if stale.name not in referenced and _identity(stale) not in kept:
+            with contextlib.suppress(OSError):
+                stale.unlink()
+                logger.info("removed %s (weights of a replaced output)", stale)
+
+
+def _our_data_files(out: Path) -> list[Path]:
+    """``OUT.data`` and ``OUT.<8 hex>.data``: the names this module gives data files."""
+    pattern = re.compile(re.escape(out.name) + r"(\.[0-9a-f]{8})?" + re.escape(DATA_SUFFIX))
+    with contextlib.suppress(OSError):
+        return [p for p in out.parent.iterdir() if pattern.fullmatch(p.name) and p.is_file()]
+    return []
+
+
+def _referenced_data_files(model_path: Path) -> set[str]:
+    try:
+        proto = onnx.load(str(model_path), load_external_data=False)
+    except Exception:  # noqa: BLE001 - unreadable: keep every file
+        return {p.name for p in _our_data_files(model_path)}
+    return {kv.value for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL
+            for kv in t.external_data if kv.key == "location"}
+
+
 @contextlib.contextmanager
 def _staged(out: Path) -> Iterator[Path]:
-    """A temporary path beside ``out``, renamed to ``out`` only if the block succeeds: the
-    output is never half-written, and the input is never touched."""
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".amp_rewrite_") as tmp:
-        tmp_model = Path(tmp) / out.name
-        yield tmp_model
-        os.replace(tmp_model, out)
+    """A temporary directory beside ``out`` named ``TEMP_PREFIX<pid>-...``, removed on
+    success, failure and KeyboardInterrupt (the CLI turns SIGTERM into one); the caller
+    renames its files out. The output is never half-written, the input never touched."""
+    remove_stale_temp_dirs(out.parent)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f"{TEMP_PREFIX}{os.getpid()}-") as tmp:
+        yield Path(tmp) / out.name
+
+
+def remove_stale_temp_dirs(directory: Path) -> list[Path]:
+    """Remove temp dirs of ours whose process is gone (a run killed with SIGKILL)."""
+    removed = []
+    with contextlib.suppress(OSError):
+        for entry in Path(directory).iterdir():
+            pid = _temp_dir_pid(entry)
+            if pid is not None and not _process_alive(pid) and entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+                removed.append(entry)
+                logger.info("removed %s, left by a killed run", entry)
+    return removed
+
+
+def _temp_dir_pid(entry: Path) -> int | None:
+    if not entry.name.startswith(TEMP_PREFIX):
+        return None
+    pid = entry.name[len(TEMP_PREFIX):].split("-", 1)[0]
+    return int(pid) if pid.isdigit() else None
+
+
+def _process_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def _identity(path: Path) -> tuple:
+    """What two paths must share to be the same file: (device, inode) when it exists (hard
+    links, symlinks, ``..``), else the resolved path."""
+    try:
+        st = path.stat()
+        return (st.st_dev, st.st_ino)
+    except OSError:
+        return (str(path.resolve()),)
 
 
 def _check_saved(path: Path) -> None:
