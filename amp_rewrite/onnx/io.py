@@ -55,6 +55,7 @@ def load_model(source: str | os.PathLike | onnx.ModelProto | bytes | ir.Model) -
         source = _parse_bytes(source)
     if isinstance(source, onnx.ModelProto):
         _check_input(source, "<ModelProto>")
+        _check_raw_data_sizes(source, "<ModelProto>")
         proto = _inline_local_functions(source, "<ModelProto>")
         return _from_proto(proto, "<ModelProto>")
     path = check_input_path(source)
@@ -65,6 +66,7 @@ def load_model(source: str | os.PathLike | onnx.ModelProto | bytes | ir.Model) -
                          "check that the file is complete and really ONNX") from None
     if not proto.graph.node and not proto.graph.input and not proto.graph.output:
         raise ModelError(f"{path}: not an ONNX model (no graph found); is it truncated?")
+    _check_raw_data_sizes(proto, str(path))
     if _has_external_data(proto):
         _check_external_extents(proto, path)
         _check_input(path, str(path))
@@ -200,6 +202,25 @@ def _check_type_attributes(model: ir.Model, label: str) -> None:
                         "fix or remove the node")
 
 
+def _check_raw_data_sizes(proto: onnx.ModelProto, label: str) -> None:
+    """Each stored tensor's raw_data holds exactly what its dims and type need.
+
+    The checker refuses only too-short data; longer or ragged data (258 bytes for an 8x8
+    float) would fail deep inside the rewrite with a bare numpy error.
+    """
+    tensors = [*proto.graph.initializer,
+               *(a.t for n in proto.graph.node for a in n.attribute if a.HasField("t"))]
+    for t in tensors:
+        if not t.HasField("raw_data"):
+            continue
+        needed = _tensor_bytes(t)
+        size = len(t.raw_data)
+        if needed is not None and size != needed:
+            raise ModelError(f"{label}: tensor {t.name or '(constant)'}: raw_data holds {size} "
+                             f"bytes, its dims {list(t.dims)} and type need {needed}; the file "
+                             "is damaged or was written by a broken exporter")
+
+
 def _check_external_extents(proto: onnx.ModelProto, path: Path) -> None:
     """Every external tensor lies inside its file: onnx_ir would fail later with a bare
     ValueError (offset past the end) or memory-map less than the tensor needs."""
@@ -235,9 +256,16 @@ def _check_external_extents(proto: onnx.ModelProto, path: Path) -> None:
 def _tensor_bytes(t: onnx.TensorProto) -> int | None:
     try:
         itemsize = onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
-    except Exception:  # unknown or sub-byte types: the length check alone
+    except Exception:  # noqa: BLE001 - unknown types: no size to check against
         return None
+    if t.data_type in _SUB_BYTE_TYPES:  # packed: two (4-bit) or four (2-bit) per byte
+        return math.ceil(math.prod(t.dims) * _SUB_BYTE_TYPES[t.data_type] / 8)
     return itemsize * math.prod(t.dims)
+
+
+_SUB_BYTE_TYPES = {int(d): bits for name, bits in (("INT4", 4), ("UINT4", 4), ("FLOAT4E2M1", 4),
+                                                   ("INT2", 2), ("UINT2", 2))
+                   for d in ir.DataType if d.name == name}
 
 
 def _value_info_names(graph: onnx.GraphProto) -> set[str]:

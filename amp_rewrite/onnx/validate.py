@@ -50,7 +50,7 @@ def session(model: onnx.ModelProto):
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
-    opts.log_severity_level = 3
+    opts.log_severity_level = 4  # fatal only: its errors reach the user in ours, in one line
     return ort.InferenceSession(model.SerializeToString(), opts, providers=providers())
 
 
@@ -279,7 +279,8 @@ def _run_for_validation(model: onnx.ModelProto, feeds, which: str, origin: str):
         raise
     except ModelError as e:
         if which == "the FP32 model":
-            raise
+            raise ModelError(f"{e}; onnxruntime cannot validate this model: run without "
+                             "--validate") from None
         raise ValidationError(f"{which} does not load in onnxruntime ({e})") from None
     except MemoryError:
         raise ValidationError(f"out of memory running {which} on {origin}; "
