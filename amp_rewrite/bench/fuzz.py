@@ -259,8 +259,9 @@ def make_case(seed: int, models: dict[str, onnx.ModelProto]) -> Case:
         with contextlib.suppress(Exception):  # a mutation that does not apply is skipped
             mutation(m, r)
     data = m.SerializeToString()
-    if STRING_MARKER.encode() in data:
-        data = data.replace(STRING_MARKER.encode(), b"bad" + r.choice(INVALID_UTF8) + b"text")
+    if STRING_MARKER.encode() in data:  # same length, so the protobuf framing stays intact
+        bad = b"bad" + r.choice(INVALID_UTF8)
+        data = data.replace(STRING_MARKER.encode(), bad.ljust(len(STRING_MARKER), b"x"))
     if r.random() < 0.15:
         data = _bytes_mutation(data, r)
         names.append("bytes")

@@ -227,8 +227,9 @@ def _insert_cast(view: OnnxView, cast: CastPlan, low_ir, namer: _Namer,
     else:
         new, kind = _cast_node(value, target, namer, cast, source), "Cast"
         stats.casts_inserted += 1
-    stats.inserted_casts.append(_cast_record(view, cast, value, from_dtype, new, kind))
     _rewire(view, cast.consumers, value, new, namer)
+    # after rewiring: a cast feeding a graph output takes the output's name
+    stats.inserted_casts.append(_cast_record(view, cast, value, from_dtype, new, kind))
 
 
 def _cast_record(view: OnnxView, cast: CastPlan, value: ir.Value, from_dtype, new: ir.Value,

@@ -209,7 +209,7 @@ def run(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dict[str, np
     """Outputs by name from onnxruntime, or the reference evaluator where ORT has no kernel
     (ORT-CPU implements almost nothing in bfloat16). Feeds follow ``as_declared``."""
     feeds = as_declared(model, feeds)
-    names = [o.name for o in model.graph.output]
+    names = [_text(o.name) for o in model.graph.output]
     try:
         sess = session(model)
     except Exception as e:
@@ -217,7 +217,13 @@ def run(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dict[str, np
             raise ModelError(f"onnxruntime cannot load the model: {_first_line(e)}") from e
         logger.info("onnxruntime lacks a kernel (%s); using onnx.reference", str(e)[:120])
         return reference_run(model, feeds)
-    return dict(zip(names, sess.run(names, dict(feeds))))
+    return dict(zip(names, sess.run(None, dict(feeds))))
+
+
+def _text(name: str | bytes) -> str:
+    """A name as text: python-protobuf returns invalid UTF-8 as bytes (io._text does the same
+    escaping when the model is loaded for the rewrite)."""
+    return name.decode("utf-8", errors="backslashreplace") if isinstance(name, bytes) else name
 
 
 def _first_line(e: BaseException) -> str:
@@ -229,7 +235,7 @@ def reference_run(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> di
     """onnx.reference computes every op in its declared dtype: fp16 overflow shows here."""
     from onnx.reference import ReferenceEvaluator
 
-    names = [o.name for o in model.graph.output]
+    names = [_text(o.name) for o in model.graph.output]
     evaluator = ReferenceEvaluator(model, new_ops=_reference_fixes())
     return dict(zip(names, evaluator.run(None, dict(feeds))))
 
@@ -269,7 +275,9 @@ def validate(fp32: onnx.ModelProto, mixed: onnx.ModelProto, dtype: LowDtype,
     tolerance = REL_TOLERANCE[dtype] if tolerance is None else tolerance
     reference = _run_for_validation(fp32, feeds, "the FP32 model", origin)
     got = _run_for_validation(mixed, feeds, "the rewritten model", origin)
-    return compare(reference, got), tolerance
+    # by position: the rewrite keeps the outputs' order, and their names as far as they are
+    # valid text (invalid UTF-8 is escaped in the output)
+    return compare(reference, dict(zip(reference, got.values()))), tolerance
 
 
 def _run_for_validation(model: onnx.ModelProto, feeds, which: str, origin: str):
