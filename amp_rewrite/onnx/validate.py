@@ -220,6 +220,26 @@ def run(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dict[str, np
     return dict(zip(names, sess.run(None, dict(feeds))))
 
 
+def _with_text_io_names(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model with graph input/output names that are not valid UTF-8 escaped, as the
+    rewrite escapes them: onnxruntime's Python binding cannot decode them. Usually the model
+    itself (nothing to fix)."""
+    io_names = [v.name for v in (*model.graph.input, *model.graph.output)]
+    if not any(isinstance(n, bytes) for n in io_names):
+        return model
+    fixed = onnx.ModelProto()
+    fixed.CopyFrom(model)
+    g = fixed.graph
+    for v in (*g.input, *g.output, *g.value_info):
+        v.name = _text(v.name)
+    for t in g.initializer:
+        t.name = _text(t.name)
+    for n in g.node:
+        n.input[:] = [_text(i) for i in n.input]
+        n.output[:] = [_text(o) for o in n.output]
+    return fixed
+
+
 def _text(name: str | bytes) -> str:
     """A name as text: python-protobuf returns invalid UTF-8 as bytes (io._text does the same
     escaping when the model is loaded for the rewrite)."""
@@ -267,6 +287,7 @@ def validate(fp32: onnx.ModelProto, mixed: onnx.ModelProto, dtype: LowDtype,
     failing on them) is a ValidationError saying why, with a fix."""
     if not fp32.graph.output:
         raise ValidationError("cannot validate: the model has no graph outputs to compare")
+    fp32 = _with_text_io_names(fp32)
     if feeds is None:
         feeds, origin = random_feeds(fp32), "random inputs"
     else:
