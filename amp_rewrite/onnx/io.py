@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import itertools
 import logging
 import math
 import os
@@ -12,6 +14,7 @@ import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
+import numpy as np
 import onnx
 import onnx.inliner
 import onnx_ir as ir
@@ -24,6 +27,7 @@ INFERRED_SIZES = "amp_rewrite.inferred_sizes"  # model.meta key: value name -> f
 UNTYPED_AT_LOAD = "amp_rewrite.untyped_at_load"  # model.meta key: node outputs with no type
 # model.meta key: names the input described with a value_info (consulted for initializers)
 DESCRIBED_INITIALIZERS = "amp_rewrite.described_initializers"
+EXTERNAL_FILES = "amp_rewrite.external_files"  # model.meta key: data files read at load
 SYMBOLIC_DIM_EXTENT = 64  # nominal size of a symbolic dim (batch, sequence) for cast costs
 
 
@@ -55,7 +59,7 @@ def load_model(source: str | os.PathLike | onnx.ModelProto | bytes | ir.Model) -
         source = _parse_bytes(source)
     if isinstance(source, onnx.ModelProto):
         _check_input(source, "<ModelProto>")
-        _check_raw_data_sizes(source, "<ModelProto>")
+        _check_tensors(source, "<ModelProto>", None)
         proto = _inline_local_functions(source, "<ModelProto>")
         return _from_proto(proto, "<ModelProto>")
     path = check_input_path(source)
@@ -66,15 +70,12 @@ def load_model(source: str | os.PathLike | onnx.ModelProto | bytes | ir.Model) -
                          "check that the file is complete and really ONNX") from None
     if not proto.graph.node and not proto.graph.input and not proto.graph.output:
         raise ModelError(f"{path}: not an ONNX model (no graph found); is it truncated?")
-    _check_raw_data_sizes(proto, str(path))
-    if _has_external_data(proto):
-        _check_external_extents(proto, path)
-        _check_input(path, str(path))
-    else:
-        _check_input(proto, str(path))
+    external = _check_tensors(proto, str(path), path)
+    _check_input(path if external else proto, str(path))
     proto = _inline_local_functions(proto, str(path))
     model = _from_proto(proto, str(path))
     ir.external_data.set_base_dir(model.graph, path.parent)
+    model.meta[EXTERNAL_FILES] = sorted({path.parent / loc for loc in external})
     return model
 
 
@@ -124,11 +125,7 @@ def _from_proto(proto: onnx.ModelProto, label: str) -> ir.Model:
         cause = e.__cause__ or e
         raise ModelError(f"{label}: unsupported ONNX content ({type(cause).__name__}: "
                          f"{_first_line(cause)}); check the exporter's output") from None
-    text_repaired = _repair_text(model)
-    if text_repaired:
-        logger.warning("%s: %d string fields were not valid UTF-8; written with the bad bytes "
-                       "escaped (\\xNN)", label, text_repaired)
-    _check_type_attributes(model, label)
+    _scan_nodes(model, label)
     model.meta[DESCRIBED_INITIALIZERS] = _value_info_names(proto.graph)
     return _with_inferred_facts(model, proto)
 
@@ -145,25 +142,40 @@ def _text(raw: str | bytes) -> str:
     return raw.decode("utf-8", errors="backslashreplace")
 
 
-def _repair_text(model: ir.Model) -> int:
-    """Invalid UTF-8 in any string field turned into escaped text, in place; the count.
-
-    Such models pass the checker and run in onnxruntime, but onnx_ir cannot serialise the
-    bytes. The same bytes always give the same text, so references between names stay
-    consistent.
-    """
-    count = 0
-    for obj in (model, *walk_graphs(model.graph)):
-        count += _repair_fields(obj, ("producer_name", "producer_version", "domain",
-                                      "doc_string", "name"))
+def _scan_nodes(model: ir.Model, label: str) -> None:
+    """One walk over the nodes: text fields repaired (``_repair_fields``: the pass matches
+    node names against --keep-fp32 globs) and dtype attributes checked
+    (``_check_type_attribute``). Value names and metadata are repaired only if serialising
+    fails (``to_proto``): checking every value on every load cost more than the rare repair
+    (and reading ``metadata_props`` allocates a dict per object)."""
+    count = _repair_fields(model, ("producer_name", "producer_version", "domain", "doc_string"))
     for g in walk_graphs(model.graph):
-        for v in (*g.inputs, *g.initializers.values()):
+        count += _repair_fields(g, ("name", "doc_string"))
+        for node in g:
+            if type(node.name) is bytes or type(node.doc_string) is bytes:
+                count += _repair_fields(node, ("name", "doc_string"))
+            if node.op_type in DTYPE_OPS:
+                _check_type_attribute(node, label)
+    if count:
+        _warn_repaired(label, count)
+
+
+def _warn_repaired(label: str, count: int) -> None:
+    logger.warning("%s: %d string fields are not valid UTF-8; written with the bad bytes "
+                   "escaped (\\xNN)", label, count)
+
+
+def repair_all_text(model: ir.Model) -> int:
+    """Every text field of nodes and values (names, docs, metadata) that is not valid UTF-8,
+    escaped in place; the count. The same bytes always give the same text, so references
+    between names stay consistent."""
+    count = 0
+    for g in walk_graphs(model.graph):
+        count += _repair_fields(g, ())
+        for v in (*g.inputs, *g.initializers.values(), *(o for n in g for o in n.outputs)):
             count += _repair_fields(v, ("name", "doc_string"))
         for node in g:
             count += _repair_fields(node, ("name", "doc_string"))
-            for v in node.outputs:
-                if type(v.name) is bytes:
-                    v.name, count = _text(v.name), count + 1
     return count
 
 
@@ -184,83 +196,93 @@ def _repair_fields(obj, fields: tuple[str, ...]) -> int:
     return count
 
 
-def _check_type_attributes(model: ir.Model, label: str) -> None:
+# Ops with an int attribute that must be a TensorProto.DataType.
+DTYPE_OPS = frozenset({"Cast", "SequenceEmpty", "EyeLike", "RandomNormal", "RandomUniform",
+                       "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli",
+                       "TreeEnsemble"})
+_VALID_DTYPES = frozenset(int(d) for d in ir.DataType if int(d) != 0)
+
+
+def _check_type_attribute(node: ir.Node, label: str) -> None:
     """A dtype attribute no runtime can honour (``Cast to=99``) is a bad model (exit 3); the
     checker lets it pass and the rewrite would copy it into the output."""
-    valid = {int(d) for d in ir.DataType}
-    for g in walk_graphs(model.graph):
-        for node in g:
-            if not node.attributes or node.domain not in ("", "ai.onnx"):
-                continue
-            for name in DTYPE_ATTRIBUTES & node.attributes.keys():
-                attr = node.attributes[name]
-                if attr.type == ir.AttributeType.INT and (attr.value not in valid
-                                                          or attr.value == 0):
-                    raise ModelError(
-                        f"{label}: node {node.name or '(unnamed)'} ({node.op_type}): "
-                        f"attribute {name}={attr.value} is not an ONNX data type; "
-                        "fix or remove the node")
+    if node.domain not in ("", "ai.onnx"):
+        return
+    for name in DTYPE_ATTRIBUTES & node.attributes.keys():
+        attr = node.attributes[name]
+        if attr.type == ir.AttributeType.INT and attr.value not in _VALID_DTYPES:
+            raise ModelError(f"{label}: node {node.name or '(unnamed)'} ({node.op_type}): "
+                             f"attribute {name}={attr.value} is not an ONNX data type; "
+                             "fix or remove the node")
 
 
-def _check_raw_data_sizes(proto: onnx.ModelProto, label: str) -> None:
-    """Each stored tensor's raw_data holds exactly what its dims and type need.
-
-    The checker refuses only too-short data; longer or ragged data (258 bytes for an 8x8
-    float) would fail deep inside the rewrite with a bare numpy error.
-    """
-    tensors = [*proto.graph.initializer,
-               *(a.t for n in proto.graph.node for a in n.attribute if a.HasField("t"))]
-    for t in tensors:
-        if not t.HasField("raw_data"):
-            continue
-        needed = _tensor_bytes(t)
-        size = len(t.raw_data)
-        if needed is not None and size != needed:
-            raise ModelError(f"{label}: tensor {t.name or '(constant)'}: raw_data holds {size} "
-                             f"bytes, its dims {list(t.dims)} and type need {needed}; the file "
-                             "is damaged or was written by a broken exporter")
-
-
-def _check_external_extents(proto: onnx.ModelProto, path: Path) -> None:
-    """Every external tensor lies inside its file: onnx_ir would fail later with a bare
-    ValueError (offset past the end) or memory-map less than the tensor needs."""
+def _check_tensors(proto: onnx.ModelProto, label: str, path: Path | None) -> set[str]:
+    """One pass over the stored tensors (initializers, Constant values): raw_data holds
+    exactly what dims and type need (the checker refuses only too-short data; 258 bytes for
+    an 8x8 float failed deep in the rewrite with a bare numpy error), and external data lies
+    inside its file (``_check_extent``). Returns the external data files' locations."""
+    external = set()
     sizes: dict[str, int] = {}
-    for t in proto.graph.initializer:
-        if t.data_location != onnx.TensorProto.EXTERNAL:
-            continue
-        info = {kv.key: kv.value for kv in t.external_data}
-        location = info.get("location", "")
-        data = path.parent / location
-        if location not in sizes:
-            sizes[location] = data.stat().st_size if data.is_file() else -1
-        size = sizes[location]
-        if size < 0:
-            raise ModelError(f"{path}: tensor {t.name}: external data file {data} is missing; "
-                             "copy it beside the model")
-        try:
-            offset, length = int(info.get("offset", 0)), info.get("length")
-            length = int(length) if length is not None else None
-        except ValueError:
-            raise ModelError(f"{path}: tensor {t.name}: external data offset/length are not "
-                             "integers") from None
-        needed = _tensor_bytes(t)
-        if offset < 0 or offset + (length or 0) > size or (
-                needed is not None and offset + needed > size) or (
-                length is not None and needed is not None and length < needed):
-            raise ModelError(f"{path}: tensor {t.name}: external data (offset {offset}, length "
-                             f"{length}, {needed} bytes needed) lies beyond the end of {data} "
-                             f"({size} bytes); the data file does not belong to this model or "
-                             "is truncated")
+    constants = (a.t for n in proto.graph.node if n.op_type == "Constant"
+                 for a in n.attribute if a.HasField("t"))
+    for t in itertools.chain(proto.graph.initializer, constants):
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            if path is not None:
+                external.add(_check_extent(t, path, sizes))
+        elif t.HasField("raw_data"):
+            needed = _tensor_bytes(t)
+            if needed is not None and len(t.raw_data) != needed:
+                raise ModelError(
+                    f"{label}: tensor {t.name or '(constant)'}: raw_data holds "
+                    f"{len(t.raw_data)} bytes, its dims {list(t.dims)} and type need {needed}; "
+                    "the file is damaged or was written by a broken exporter")
+    return external
+
+
+def _check_extent(t: onnx.TensorProto, path: Path, sizes: dict[str, int]) -> str:
+    """The external tensor lies inside its file (its location, returned): onnx_ir would fail
+    later with a bare ValueError (offset past the end) or memory-map less than it needs."""
+    info = {kv.key: kv.value for kv in t.external_data}
+    location = info.get("location", "")
+    data = path.parent / location
+    if location not in sizes:
+        sizes[location] = data.stat().st_size if data.is_file() else -1
+    size = sizes[location]
+    if size < 0:
+        raise ModelError(f"{path}: tensor {t.name}: external data file {data} is missing; "
+                         "copy it beside the model")
+    try:
+        offset, length = int(info.get("offset", 0)), info.get("length")
+        length = int(length) if length is not None else None
+    except ValueError:
+        raise ModelError(f"{path}: tensor {t.name}: external data offset/length are not "
+                         "integers") from None
+    needed = _tensor_bytes(t)
+    if offset < 0 or offset + (length or 0) > size or (
+            needed is not None and offset + needed > size) or (
+            length is not None and needed is not None and length < needed):
+        raise ModelError(f"{path}: tensor {t.name}: external data (offset {offset}, length "
+                         f"{length}, {needed} bytes needed) lies beyond the end of {data} "
+                         f"({size} bytes); the data file does not belong to this model or "
+                         "is truncated")
+    return location
 
 
 def _tensor_bytes(t: onnx.TensorProto) -> int | None:
+    """Bytes the tensor's dims and type need, or None for types of no fixed size."""
+    bits = _element_bits(t.data_type)
+    return None if bits is None else math.ceil(math.prod(t.dims) * bits / 8)
+
+
+@functools.cache
+def _element_bits(data_type: int) -> int | None:
+    if data_type in _SUB_BYTE_TYPES:  # packed: two (4-bit) or four (2-bit) per byte
+        return _SUB_BYTE_TYPES[data_type]
     try:
-        itemsize = onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(data_type))
     except Exception:  # noqa: BLE001 - unknown types: no size to check against
         return None
-    if t.data_type in _SUB_BYTE_TYPES:  # packed: two (4-bit) or four (2-bit) per byte
-        return math.ceil(math.prod(t.dims) * _SUB_BYTE_TYPES[t.data_type] / 8)
-    return itemsize * math.prod(t.dims)
+    return None if dtype.kind in "OUS" else 8 * dtype.itemsize
 
 
 _SUB_BYTE_TYPES = {int(d): bits for name, bits in (("INT4", 4), ("UINT4", 4), ("FLOAT4E2M1", 4),
@@ -349,10 +371,6 @@ def _type_fact(tp: onnx.TypeProto) -> TensorFact | None:
     return ir.DataType(t.elem_type), 4 * max(1, math.prod(dims))
 
 
-def _has_external_data(proto: onnx.ModelProto) -> bool:
-    return any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer)
-
-
 def _check_input(model: onnx.ModelProto | Path, label: str) -> None:
     try:
         onnx.checker.check_model(str(model) if isinstance(model, Path) else model)
@@ -420,7 +438,10 @@ def check_path_conflicts(reads: Mapping[str, Iterable[str | os.PathLike]],
 
 
 def external_data_files(model: ir.Model) -> list[Path]:
-    """The files the model's initializers are stored in (subgraphs included)."""
+    """The files the model's initializers are stored in (recorded by ``load_model``; else
+    found by a walk, subgraphs included)."""
+    if EXTERNAL_FILES in model.meta:
+        return list(model.meta[EXTERNAL_FILES])
     files = {Path(v.const_value.path) for g in walk_graphs(model.graph)
              for v in g.initializers.values() if isinstance(v.const_value, ir.ExternalTensor)}
     return sorted(files)
@@ -495,7 +516,20 @@ def _unlink_graph(graph: ir.Graph) -> None:
 
 def to_proto(model: ir.Model) -> onnx.ModelProto:
     with initializers_undescribed(model):
-        return ir.to_proto(model)
+        return _retry_with_text_names(model, lambda: ir.to_proto(model))
+
+
+def _retry_with_text_names(model: ir.Model, serialise):
+    """``serialise()``; if it fails on text that is not valid UTF-8, once more with it
+    escaped (``repair_all_text``), so the common case pays nothing for the check."""
+    try:
+        return serialise()
+    except Exception:
+        repaired = repair_all_text(model)
+        if not repaired:
+            raise
+        _warn_repaired("the model", repaired)
+        return serialise()
 
 
 def save_model(model: ir.Model, output: str | os.PathLike,
@@ -513,7 +547,8 @@ def save_model(model: ir.Model, output: str | os.PathLike,
     data_name = f"{out.name}.{secrets.token_hex(4)}{DATA_SUFFIX}"
     with _staged(out) as tmp_model:
         with initializers_undescribed(model):
-            ir.save(model, tmp_model, external_data=data_name)
+            _retry_with_text_names(
+                model, lambda: ir.save(model, tmp_model, external_data=data_name))
         _check_saved(tmp_model)
         os.replace(tmp_model.with_name(data_name), out.parent / data_name)
         _commit(tmp_model, out, keep)

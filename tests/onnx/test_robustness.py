@@ -393,3 +393,14 @@ def test_malformed_calibration_data_is_a_usage_error(tmp_path, capsys, defect, n
     if defect != "not_npz":
         with pytest.raises(UsageError, match=needle.replace("[", r"\[")):
             rewrite_onnx_model(str(src), calibration_data=feeds)
+
+
+def test_invalid_utf8_in_node_metadata_is_rewritten(tmp_path, capsys):
+    model = small_model()
+    model.graph.node[0].metadata_props.add(key="k", value="NODEMETA")
+    src = save(tmp_path, model.SerializeToString().replace(b"NODEMETA", b"N\xffDEMETA"))
+    code, _, err = run_cli([src, "-q"], capsys)
+    assert code == 0, err
+    out = onnx.load(tmp_path / "m.amp.onnx")
+    onnx.checker.check_model(out, full_check=True)
+    assert any(p.value == "N\\xffDEMETA" for n in out.graph.node for p in n.metadata_props)
