@@ -16,7 +16,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from amp_rewrite.errors import AmpRewriteError, UsageError, ValidationError
+from amp_rewrite.errors import (AmpRewriteError, ModelError, OutputCheckError, UsageError,
+                                ValidationError)
 
 logger = logging.getLogger("amp_rewrite")
 
@@ -178,16 +179,24 @@ def _rewrite(args) -> int:
             reads["an external-data file of the input"] = io.external_data_files(model)
             io.check_path_conflicts(reads, writes)
             stages.step("rewrite")
-            result = rewrite_onnx_model(model, dtype=args.dtype,
-                                        keep_io_types=args.keep_io_types, rules=args.rules,
-                                        keep_fp32=args.keep_fp32,
-                                        calibration_data=args.calibrate,
-                                        calibration_threshold=args.threshold,
-                                        savings_weight=args.savings_weight)
+            try:
+                result = rewrite_onnx_model(model, dtype=args.dtype,
+                                            keep_io_types=args.keep_io_types, rules=args.rules,
+                                            keep_fp32=args.keep_fp32,
+                                            calibration_data=args.calibrate,
+                                            calibration_threshold=args.threshold,
+                                            savings_weight=args.savings_weight)
+            except OutputCheckError:
+                _blame_invalid_input(model_path)
+                raise
             validation, failure = _validate_stage(args, result, stages)
             if failure is None:
                 stages.step("save")
-                result.save(out, keep=[p for paths in reads.values() for p in paths])
+                try:
+                    result.save(out, keep=[p for paths in reads.values() for p in paths])
+                except OutputCheckError:  # models with external data are checked on disk
+                    _blame_invalid_input(model_path)
+                    raise
         # the progress bar is finished and cleared before anything is printed
         _finish(args, result, None if failure else out, validation,
                 time.perf_counter() - start, report_path)
@@ -196,6 +205,19 @@ def _rewrite(args) -> int:
         io.release(result.model)
         del result
     return 0
+
+
+def _blame_invalid_input(path: Path) -> None:
+    """The output failed the full check: if the input fails it as well, say so (exit 3)
+    instead of reporting an internal error (the plain check at load passes such models)."""
+    import onnx
+
+    try:
+        onnx.checker.check_model(str(path), full_check=True)
+    except Exception as e:  # noqa: BLE001 - the checker raises several types
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelError(f"{path}: the model fails ONNX type and shape inference ({first}); "
+                         "fix the model (onnx.checker.check_model(path, full_check=True))") from None
 
 
 def _validate_stage(args, result, stages) -> tuple:

@@ -218,6 +218,57 @@ def _functions(m, r):
         m.ir_version = 7
 
 
+def _insert_op(m, r):
+    """A valid model still: one unary or binary float op spliced after a node."""
+    n = r.choice([n for n in m.graph.node if n.op_type != "If"] or list(m.graph.node))
+    old = n.output[0]
+    new = f"{old}_pre"
+    n.output[0] = new
+    op = r.choice(["Relu", "Exp", "Sqrt", "Log", "Neg", "Tanh", "Sigmoid", "Reciprocal",
+                   "Softmax", "LayerNormalization", "Add", "Div", "Pow", "ReduceSum", "Identity",
+                   "Cast"])
+    if op in ("Add", "Div", "Pow"):
+        node = oh.make_node(op, [new, new], [old])
+    elif op == "Cast":
+        node = oh.make_node(op, [new], [old], to=onnx.TensorProto.FLOAT)
+    elif op == "LayerNormalization":
+        size = 8
+        name = f"ln_scale_{len(m.graph.initializer)}"
+        m.graph.initializer.append(onh.from_array(np.ones(size, np.float32), name))
+        node = oh.make_node(op, [new, name], [old], axis=-1)
+    elif op == "ReduceSum":
+        node = oh.make_node(op, [new], [old], keepdims=1)
+    else:
+        node = oh.make_node(op, [new], [old])
+    index = list(m.graph.node).index(n) + 1
+    m.graph.node.insert(index, node)
+
+
+def _valid_cast(m, r):
+    """Casts to another real dtype: valid, and a trap for dtype bookkeeping."""
+    for n in m.graph.node:
+        if n.op_type == "Cast":
+            n.attribute[0].i = r.choice([1, 10, 11, 16, 7, 6, 9])
+            return
+    _insert_op(m, r)
+
+
+def _weird_names(m, r):
+    """Valid but unusual names: unicode, spaces, slashes, names that look like ours."""
+    _rename_value(m, r, r.choice(["ü/ñ 名前", "a b", "x_float16", "y", "amp_cast_y_f32", "::"]))
+    r.choice(m.graph.node).name = r.choice(["", "mm", "§", "node/with/slashes"])
+
+
+def _symbolic_dims(m, r):
+    for vi in (*m.graph.input, *m.graph.output):
+        for d in vi.type.tensor_type.shape.dim:
+            if r.random() < 0.5:
+                d.Clear()
+                d.dim_param = r.choice(["n", "batch", "s"])
+
+
+VALID_LOOKING: list[Mutation] = [_strings, _insert_op, _valid_cast, _weird_names,
+                                 _symbolic_dims, _initializers]
 STRUCTURED: list[Mutation] = [_strings, _elem_type, _raw_data, _dims, _op_type, _node_inputs,
                               _attribute, _graph_outputs, _header, _node_order, _initializers,
                               _functions]
@@ -253,8 +304,9 @@ def make_case(seed: int, models: dict[str, onnx.ModelProto]) -> Case:
     m = onnx.ModelProto()
     m.CopyFrom(models[base])
     names = []
+    pool = VALID_LOOKING if r.random() < 0.4 else STRUCTURED + VALID_LOOKING
     for _ in range(r.choice([1, 1, 2, 3])):
-        mutation = r.choice(STRUCTURED)
+        mutation = r.choice(pool)
         names.append(mutation.__name__.lstrip("_"))
         with contextlib.suppress(Exception):  # a mutation that does not apply is skipped
             mutation(m, r)

@@ -15,7 +15,7 @@ import onnx_ir as ir
 
 from amp_rewrite.core import LowDtype
 from amp_rewrite.core.runtime import gc_paused, listed
-from amp_rewrite.errors import ModelError
+from amp_rewrite.errors import ModelError, OutputCheckError
 from amp_rewrite.onnx import io
 from amp_rewrite.onnx.passes import MixedPrecisionPass, OnnxOptions
 
@@ -109,7 +109,7 @@ def _check_output(result: RewriteResult) -> None:
     try:
         onnx.checker.check_model(result.proto(), full_check=True)
     except Exception as e:
-        raise ModelError(f"internal error: the rewritten model fails the ONNX checker: "
+        raise OutputCheckError(f"internal error: the rewritten model fails the ONNX checker: "
                          f"{str(e).strip().splitlines()[0]}") from e
 
 

@@ -11,6 +11,7 @@ import re
 import secrets
 import shutil
 import tempfile
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import onnx
 import onnx.inliner
 import onnx_ir as ir
 
-from amp_rewrite.errors import ModelError, UsageError
+from amp_rewrite.errors import ModelError, OutputCheckError, UsageError
 
 logger = logging.getLogger(__name__)
 PROTOBUF_LIMIT = 2**31 - 1
@@ -628,11 +629,23 @@ def remove_stale_temp_dirs(directory: Path) -> list[Path]:
     with contextlib.suppress(OSError):
         for entry in Path(directory).iterdir():
             pid = _temp_dir_pid(entry)
-            if pid is not None and not _process_alive(pid) and entry.is_dir():
+            if (pid is not None and not _process_alive(pid) or _is_legacy_temp_dir(entry)) \
+                    and entry.is_dir():
                 shutil.rmtree(entry, ignore_errors=True)
                 removed.append(entry)
                 logger.info("removed %s, left by a killed run", entry)
     return removed
+
+
+def _is_legacy_temp_dir(entry: Path) -> bool:
+    """``.amp_rewrite_XXXXXXXX`` (tempfile's 8 characters), as versions before the pid in
+    the name made them; one not touched for an hour belongs to no running rewrite."""
+    return (LEGACY_TEMP.fullmatch(entry.name) is not None
+            and time.time() - entry.stat().st_mtime > LEGACY_TEMP_AGE_S)
+
+
+LEGACY_TEMP = re.compile(r"\.amp_rewrite_[a-z0-9_]{8}")
+LEGACY_TEMP_AGE_S = 3600
 
 
 def _temp_dir_pid(entry: Path) -> int | None:
@@ -668,7 +681,7 @@ def _check_saved(path: Path) -> None:
     try:
         onnx.checker.check_model(str(path), full_check=True)
     except Exception as e:
-        raise ModelError(f"internal error: the rewritten model fails the ONNX checker: "
+        raise OutputCheckError(f"internal error: the rewritten model fails the ONNX checker: "
                          f"{_first_line(e)}") from e
 
 

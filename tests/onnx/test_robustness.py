@@ -227,8 +227,13 @@ def test_stale_temp_dirs_of_killed_runs_are_removed(tmp_path, capsys):
     live.mkdir()
     foreign = tmp_path / ".other_tool_tmp"
     foreign.mkdir()
+    legacy_old, legacy_new = tmp_path / ".amp_rewrite_ab12cd34", tmp_path / ".amp_rewrite_zz99yy88"
+    legacy_old.mkdir()
+    legacy_new.mkdir()  # an older version's run may still be using this one
+    os.utime(legacy_old, (0, 0))
     assert run_cli([src, "-q"], capsys)[0] == 0
     assert not stale.exists() and live.exists() and foreign.exists()
+    assert not legacy_old.exists() and legacy_new.exists()
 
 
 # ---- crashes that must be a clear exit 3 or a correct rewrite ----
@@ -404,3 +409,19 @@ def test_invalid_utf8_in_node_metadata_is_rewritten(tmp_path, capsys):
     out = onnx.load(tmp_path / "m.amp.onnx")
     onnx.checker.check_model(out, full_check=True)
     assert any(p.value == "N\\xffDEMETA" for n in out.graph.node for p in n.metadata_props)
+
+
+def test_input_failing_type_inference_is_blamed_not_called_an_internal_error(tmp_path, capsys):
+    """Exp of an int64: the plain checker at load passes it, the full check of the output
+    fails; the input fails that check too, so it is the model's fault (exit 3)."""
+    nodes = [oh.make_node("MatMul", ["x", "w"], ["h"]),
+             oh.make_node("Cast", ["h"], ["c"], to=T.INT64),
+             oh.make_node("Exp", ["c"], ["y"])]
+    model = small_model(nodes=nodes, outputs=[oh.make_tensor_value_info("y", T.INT64, [2, 8])])
+    onnx.checker.check_model(model)
+    with pytest.raises(Exception, match="unsupported type"):
+        onnx.checker.check_model(model, full_check=True)
+    src = save(tmp_path, model)
+    code, _, err = run_cli([src], capsys)
+    assert code == 3 and "internal error" not in err, err
+    assert_clean_failure(tmp_path, code, err, 3, "m.onnx", {src: digest(src)})
