@@ -151,8 +151,9 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 
 def _list_rules(args) -> int:
     from amp_rewrite.core import load_rules
+    from amp_rewrite.onnx.passes import known_op_keys
 
-    rules = load_rules("onnx", args.rules)
+    rules = load_rules("onnx", args.rules, known_ops=known_op_keys())
     for entry in rules.entries():
         print(f"{entry.op_class.value:6} {entry.op:40} {entry.reason}  [{entry.source}]")
     return 0

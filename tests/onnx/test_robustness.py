@@ -56,7 +56,8 @@ def ext_model(tmp_path):
 
 # ---- data loss: every written path against every read path ----
 
-@pytest.mark.parametrize("case", ["report_is_input", "report_is_output", "report_is_calibration",
+@pytest.mark.parametrize("case", ["report_is_input", "report_is_input_weights",
+                                  "report_is_output", "report_is_calibration",
                                   "calibration_is_output", "output_is_input_weights",
                                   "report_is_rules_file", "output_is_symlink_to_input",
                                   "output_is_relative_path_to_input"])
@@ -71,6 +72,7 @@ def test_written_path_that_is_read_is_refused_before_any_write(ext_model, tmp_pa
     out = tmp_path / "out.onnx"
     monkeypatch.chdir(tmp_path)
     flags = {"report_is_input": ["-o", out, "--report", ext_model],
+             "report_is_input_weights": ["-o", out, "--report", tmp_path / "a.onnx.data"],
              "report_is_output": ["-o", out, "--report", out],
              "report_is_calibration": ["-o", out, "--calibrate", calib, "--report", calib],
              "calibration_is_output": ["-o", calib, "--calibrate", calib],
@@ -362,6 +364,20 @@ def test_validate_when_onnxruntime_fails_on_random_feeds_suggests_calibrate(tmp_
     assert "--calibrate" in err and "Traceback" not in err
     assert report.exists() and "not written" in out  # the report and the summary still come
     assert not (tmp_path / "m.amp.onnx").exists()
+
+
+def test_validate_when_onnxruntime_fails_on_random_resize_scales(tmp_path, capsys):
+    """Resize scales fed as an input: random normal scales are negative, which onnxruntime
+    refuses at run time."""
+    inputs = [oh.make_tensor_value_info("x", T.FLOAT, [1, 1, 2, 8]),
+              oh.make_tensor_value_info("scales", T.FLOAT, [4])]
+    nodes = [oh.make_node("MatMul", ["x", "w"], ["h"]),
+             oh.make_node("Resize", ["h", "", "scales"], ["y"], mode="nearest")]
+    model = small_model(nodes=nodes, inputs=inputs,
+                        outputs=[oh.make_tensor_value_info("y", T.FLOAT, list("nchw"))])
+    src = save(tmp_path, model)
+    code, _, err = run_cli([src, "--validate"], capsys)
+    assert code == 4 and "on random inputs" in err and "--calibrate" in err, err
 
 
 def test_validate_model_without_outputs_says_so(tmp_path, capsys):
