@@ -584,16 +584,30 @@ TEMP_PREFIX = ".amp_rewrite_tmp-"  # + pid + "-" + random: see remove_stale_temp
 
 def _commit(tmp_model: Path, out: Path, keep: Iterable[str | os.PathLike]) -> None:
     """Replace ``out`` by ``tmp_model`` (one rename), then remove data files of ours that
-    the replaced model or a killed earlier write left and nothing references any more."""
-    before = _our_data_files(out)
+    nothing references any more: the replaced model's at once, orphans of a run killed
+    between its two renames once they are an hour old (a younger one may be a concurrent
+    write's, not yet committed). Files the run reads (``keep``) always stay."""
+    replaced = _referenced_data_files(out) if out.is_file() else set()
     os.replace(tmp_model, out)
     referenced = _referenced_data_files(out)
     kept = {_identity(Path(p)) for p in keep}
-    for stale in before:
-        if stale.name not in referenced and _identity(stale) not in kept:
+    for stale in _our_data_files(out):
+        if stale.name in referenced or _identity(stale) in kept:
+            continue
+        if stale.name in replaced or _age_s(stale) > ORPHAN_AGE_S:
             with contextlib.suppress(OSError):
                 stale.unlink()
-                logger.info("removed %s (weights of a replaced output)", stale)
+                logger.info("removed %s (weights no model refers to)", stale)
+
+
+ORPHAN_AGE_S = 3600
+
+
+def _age_s(path: Path) -> float:
+    try:
+        return time.time() - path.stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 def _our_data_files(out: Path) -> list[Path]:
@@ -640,8 +654,7 @@ def remove_stale_temp_dirs(directory: Path) -> list[Path]:
 def _is_legacy_temp_dir(entry: Path) -> bool:
     """``.amp_rewrite_XXXXXXXX`` (tempfile's 8 characters), as versions before the pid in
     the name made them; one not touched for an hour belongs to no running rewrite."""
-    return (LEGACY_TEMP.fullmatch(entry.name) is not None
-            and time.time() - entry.stat().st_mtime > LEGACY_TEMP_AGE_S)
+    return LEGACY_TEMP.fullmatch(entry.name) is not None and _age_s(entry) > LEGACY_TEMP_AGE_S
 
 
 LEGACY_TEMP = re.compile(r"\.amp_rewrite_[a-z0-9_]{8}")

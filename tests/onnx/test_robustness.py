@@ -183,10 +183,18 @@ def test_kill_between_data_and_model_rename_keeps_the_old_pair(ext_model, tmp_pa
     onnx.checker.check_model(str(out), full_check=True)
     np.testing.assert_array_equal(_output_prediction(out), first)  # old model, old weights
     assert not list(tmp_path.glob(".amp_rewrite_tmp-*"))
-    # the next write to the same output removes the orphaned and the replaced data files
+    orphans = set(tmp_path.glob("out.onnx.*.data")) - old_data  # renamed before the kill
+    assert len(orphans) == 1
+    # the next write removes the replaced model's data file at once, the orphan once it is
+    # an hour old (a younger one could be a concurrent write's)
     assert run_cli([ext_model, "-o", out, "-q"], capsys)[0] == 0
     left = set(tmp_path.glob("out.onnx.*.data"))
-    assert len(left) == 1 and not left & old_data
+    assert not left & old_data and orphans <= left and len(left) == 2
+    for orphan in orphans:
+        os.utime(orphan, (0, 0))
+    assert run_cli([ext_model, "-o", out, "-q"], capsys)[0] == 0
+    left = set(tmp_path.glob("out.onnx.*.data"))
+    assert len(left) == 1 and not left & (old_data | orphans)
     np.testing.assert_array_equal(_output_prediction(out), first)
 
 
