@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import logging
 import math
 import os
@@ -157,6 +156,8 @@ def _scan_nodes(model: ir.Model, label: str) -> None:
                 count += _repair_fields(node, ("name", "doc_string"))
             if node.op_type in DTYPE_OPS:
                 _check_type_attribute(node, label)
+            elif node.op_type == "Constant":
+                _check_constant_size(node, label)
     if count:
         _warn_repaired(label, count)
 
@@ -217,16 +218,37 @@ def _check_type_attribute(node: ir.Node, label: str) -> None:
                              "fix or remove the node")
 
 
+def _check_constant_size(node: ir.Node, label: str) -> None:
+    """``_check_tensors`` for a Constant's value (found during the node walk)."""
+    attr = node.attributes.get("value")
+    tensor = attr.value if attr is not None and attr.type == ir.AttributeType.TENSOR else None
+    if not isinstance(tensor, ir.serde.TensorProtoTensor) or not _whole_bytes(tensor.dtype):
+        return
+    proto = tensor.raw
+    if proto.HasField("raw_data") and proto.data_location != onnx.TensorProto.EXTERNAL:
+        size, needed = len(proto.raw_data), tensor.nbytes
+        if size != needed:
+            raise ModelError(f"{label}: Constant {node.name or '(unnamed)'}: its value holds "
+                             f"{size} bytes, its dims {list(tensor.shape)} and type need "
+                             f"{needed}; the file is damaged or was written by a broken exporter")
+
+
+def _whole_bytes(dtype: ir.DataType) -> bool:
+    try:
+        return dtype.bitwidth % 8 == 0
+    except TypeError:  # strings: no fixed size
+        return False
+
+
 def _check_tensors(proto: onnx.ModelProto, label: str, path: Path | None) -> set[str]:
-    """One pass over the stored tensors (initializers, Constant values): raw_data holds
-    exactly what dims and type need (the checker refuses only too-short data; 258 bytes for
-    an 8x8 float failed deep in the rewrite with a bare numpy error), and external data lies
-    inside its file (``_check_extent``). Returns the external data files' locations."""
+    """One pass over the initializers: raw_data holds exactly what dims and type need (the
+    checker refuses only too-short data; 258 bytes for an 8x8 float failed deep in the
+    rewrite with a bare numpy error), and external data lies inside its file
+    (``_check_extent``). Returns the external data files' locations. Constant values are
+    checked in the node walk (``_check_constant_size``)."""
     external = set()
     sizes: dict[str, int] = {}
-    constants = (a.t for n in proto.graph.node if n.op_type == "Constant"
-                 for a in n.attribute if a.HasField("t"))
-    for t in itertools.chain(proto.graph.initializer, constants):
+    for t in proto.graph.initializer:
         if t.data_location == onnx.TensorProto.EXTERNAL:
             if path is not None:
                 external.add(_check_extent(t, path, sizes))

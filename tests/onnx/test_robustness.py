@@ -449,3 +449,28 @@ def test_input_failing_type_inference_is_blamed_not_called_an_internal_error(tmp
     code, _, err = run_cli([src], capsys)
     assert code == 3 and "internal error" not in err, err
     assert_clean_failure(tmp_path, code, err, 3, "m.onnx", {src: digest(src)})
+
+
+def test_constant_value_raw_data_length_not_matching_dims_is_exit_3(tmp_path, capsys):
+    value = onh.from_array(np.ones((8, 8), np.float32))
+    value.raw_data = value.raw_data + b"\0" * 4
+    nodes = [oh.make_node("Constant", [], ["c"], name="const", value=value),
+             oh.make_node("MatMul", ["x", "c"], ["y"])]
+    src = save(tmp_path, small_model(nodes=nodes, inits=[]))
+    code, _, err = run_cli([src], capsys)
+    assert_clean_failure(tmp_path, code, err, 3, "Constant const", {src: digest(src)})
+
+
+def test_string_constant_is_carried_through(tmp_path, capsys):
+    """A string Constant has no fixed element size: checked for nothing, kept as it is."""
+    words = onh.from_array(np.array(["a", "bc"], dtype=object))
+    nodes = [oh.make_node("Constant", [], ["words"], name="words", value=words),
+             oh.make_node("MatMul", ["x", "w"], ["y"])]
+    model = small_model(nodes=nodes)
+    model.graph.output.append(oh.make_tensor_value_info("words", T.STRING, [2]))
+    src = save(tmp_path, model)
+    code, _, err = run_cli([src, "-q", "--validate"], capsys)
+    assert code == 0, err
+    out = onnx.load(tmp_path / "m.amp.onnx")
+    const = next(n for n in out.graph.node if n.op_type == "Constant")
+    assert [str(w) for w in onh.to_array(const.attribute[0].t)] == ["a", "bc"]
