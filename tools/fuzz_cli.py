@@ -2,7 +2,11 @@
 run in-process through ``cli.main``; counts exit codes and lists every internal error (exit 1)
 or traceback, with the seed that reproduces it.
 
-    .venv/bin/python tools/fuzz_cli.py --runs 2000 --out /tmp/fuzz_cli.json
+    .venv/bin/python tools/fuzz_cli.py --runs 2000 [--first-seed 0]
+        [--model examples/transformer_block.onnx ...] [--out results/fuzz_cli.json]
+
+Base models: the four small ones of ``amp_rewrite.bench.fuzz.seed_models`` plus each
+``--model`` (default: the example transformer block).
 """
 from __future__ import annotations
 
@@ -15,17 +19,25 @@ import tempfile
 import time
 from pathlib import Path
 
+import onnx
+
 from amp_rewrite.bench import fuzz
+
+EXAMPLE = Path(__file__).parents[1] / "examples" / "transformer_block.onnx"
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=2000)
     ap.add_argument("--first-seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=Path("fuzz_cli.json"))
+    ap.add_argument("--model", type=Path, action="append",
+                    default=None, help="extra base model (repeatable)")
+    ap.add_argument("--out", type=Path, default=Path("results/fuzz_cli.json"))
     args = ap.parse_args()
     logging.disable(logging.WARNING)  # the runs' warnings are expected; exit codes matter
     models = fuzz.seed_models()
+    for path in args.model if args.model is not None else [EXAMPLE]:
+        models[path.stem] = onnx.load(path)
     codes: collections.Counter[int] = collections.Counter()
     by_mutation: dict[str, collections.Counter[int]] = collections.defaultdict(collections.Counter)
     bad = []
@@ -42,6 +54,7 @@ def main() -> int:
                             "exit_code": outcome.exit_code, "stderr": outcome.stderr[-500:]})
     seconds = time.perf_counter() - start
     result = {"runs": args.runs, "first_seed": args.first_seed, "seconds": round(seconds, 1),
+              "base_models": sorted(models),
               "exit_codes": dict(sorted(codes.items())), "internal_errors": len(bad),
               "by_mutation": {m: dict(sorted(c.items())) for m, c in sorted(by_mutation.items())},
               "bad": bad}
@@ -53,6 +66,7 @@ def main() -> int:
     for b in bad[:20]:
         print(f"seed {b['seed']}: {b['base']} {b['mutations']} {b['flags']} -> {b['exit_code']}: "
               f"{b['stderr'].strip()[-200:]}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     return 1 if bad else 0
 
