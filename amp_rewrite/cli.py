@@ -218,7 +218,8 @@ def _blame_invalid_input(path: Path) -> None:
     except Exception as e:  # noqa: BLE001 - the checker raises several types
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelError(f"{path}: the model fails ONNX type and shape inference ({first}); "
-                         "fix the model (onnx.checker.check_model(path, full_check=True))") from None
+                         "fix the model (see onnx.checker.check_model(path, full_check=True))"
+                         ) from None
 
 
 def _validate_stage(args, result, stages) -> tuple:

@@ -47,7 +47,8 @@ def seed_models() -> dict[str, onnx.ModelProto]:
                                         oh.make_tensor_value_info("c", T.BOOL, [])],
                             [oh.make_tensor_value_info("y", T.FLOAT, [2, 8])], [w])
     fn = oh.make_function("local", "Gelu2", ["a"], ["o"],
-                          [oh.make_node("Tanh", ["a"], ["t"]), oh.make_node("Mul", ["a", "t"], ["o"])],
+                          [oh.make_node("Tanh", ["a"], ["t"]),
+                           oh.make_node("Mul", ["a", "t"], ["o"])],
                           [oh.make_opsetid("", 18)])
     func = oh.make_graph([oh.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
                           oh.make_node("Gelu2", ["h"], ["y"], domain="local", name="g")],
@@ -158,7 +159,8 @@ def _attribute(m, r):
         if a.name == name:
             n.attribute.remove(a)
     if name == "pads":
-        n.attribute.append(oh.make_attribute(name, [r.randint(-2, 3) for _ in range(r.choice([1, 4]))]))
+        pads = [r.randint(-2, 3) for _ in range(r.choice([1, 4]))]
+        n.attribute.append(oh.make_attribute(name, pads))
     elif kind < 0.7:
         n.attribute.append(oh.make_attribute(name, r.choice([-5, -1, 0, 1, 2, 10, 99, 2**40])))
     else:

@@ -574,7 +574,7 @@ def save_model(model: ir.Model, output: str | os.PathLike,
                 model, lambda: ir.save(model, tmp_model, external_data=data_name))
         _check_saved(tmp_model)
         os.replace(tmp_model.with_name(data_name), out.parent / data_name)
-        _commit(tmp_model, out, keep)
+        _commit(tmp_model, out, data_name, keep)
     logger.info("wrote %s (+ %s)", out, data_name)
     return out
 
@@ -586,7 +586,7 @@ def save_proto(proto: onnx.ModelProto, output: str | os.PathLike,
     out = Path(output)
     with _staged(out) as tmp_model:
         tmp_model.write_bytes(proto.SerializeToString())
-        _commit(tmp_model, out, keep)
+        _commit(tmp_model, out, None, keep)
     logger.info("wrote %s", out)
     return out
 
@@ -604,17 +604,22 @@ DATA_SUFFIX = ".data"
 TEMP_PREFIX = ".amp_rewrite_tmp-"  # + pid + "-" + random: see remove_stale_temp_dirs
 
 
-def _commit(tmp_model: Path, out: Path, keep: Iterable[str | os.PathLike]) -> None:
+def _commit(tmp_model: Path, out: Path, data_name: str | None,
+            keep: Iterable[str | os.PathLike]) -> None:
     """Replace ``out`` by ``tmp_model`` (one rename), then remove data files of ours that
     nothing references any more: the replaced model's at once, orphans of a run killed
     between its two renames once they are an hour old (a younger one may be a concurrent
-    write's, not yet committed). Files the run reads (``keep``) always stay."""
+    write's, not yet committed). Files the run reads (``keep``) always stay; ``data_name``
+    is the new model's own data file (None: weights inline)."""
+    ours = [p for p in _our_data_files(out) if p.name != data_name]
+    if not ours:  # the common case: nothing to clean, no need to read the replaced model
+        os.replace(tmp_model, out)
+        return
     replaced = _referenced_data_files(out) if out.is_file() else set()
     os.replace(tmp_model, out)
-    referenced = _referenced_data_files(out)
     kept = {_identity(Path(p)) for p in keep}
-    for stale in _our_data_files(out):
-        if stale.name in referenced or _identity(stale) in kept:
+    for stale in ours:
+        if _identity(stale) in kept:
             continue
         if stale.name in replaced or _age_s(stale) > ORPHAN_AGE_S:
             with contextlib.suppress(OSError):
@@ -645,7 +650,8 @@ def _referenced_data_files(model_path: Path) -> set[str]:
         proto = onnx.load(str(model_path), load_external_data=False)
     except Exception:  # noqa: BLE001 - unreadable: keep every file
         return {p.name for p in _our_data_files(model_path)}
-    return {kv.value for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL
+    return {kv.value for t in proto.graph.initializer
+            if t.data_location == onnx.TensorProto.EXTERNAL
             for kv in t.external_data if kv.key == "location"}
 
 

@@ -311,8 +311,9 @@ def test_external_data_beyond_the_file_is_exit_3(ext_model, tmp_path, capsys, ke
     for kv in proto.graph.initializer[0].external_data:
         if kv.key == key:
             kv.value = str(10**9)
-    if key == "length" and not any(kv.key == "length" for kv in proto.graph.initializer[0].external_data):
-        proto.graph.initializer[0].external_data.add(key="length", value=str(10**9))
+    first = proto.graph.initializer[0]
+    if key == "length" and not any(kv.key == "length" for kv in first.external_data):
+        first.external_data.add(key="length", value=str(10**9))
     src = save(tmp_path, proto, "bad.onnx")
     before = {src: digest(src), tmp_path / "a.onnx.data": digest(tmp_path / "a.onnx.data")}
     code, _, err = run_cli([src, "--validate"], capsys)
