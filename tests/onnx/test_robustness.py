@@ -475,3 +475,37 @@ def test_string_constant_is_carried_through(tmp_path, capsys):
     out = onnx.load(tmp_path / "m.amp.onnx")
     const = next(n for n in out.graph.node if n.op_type == "Constant")
     assert [str(w) for w in onh.to_array(const.attribute[0].t)] == ["a", "bc"]
+
+
+SLOW_SAVE_RUN = """
+import sys, time
+from amp_rewrite.onnx import io
+real = io.save_proto
+def slow(proto, output, keep=()):
+    with io._staged(output) as tmp:
+        tmp.write_bytes(b"partial")
+        print("staged", flush=True)
+        time.sleep(60)
+    return real(proto, output, keep)
+io.save_proto = slow
+from amp_rewrite.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signal_from_another_process_removes_temp_files(tmp_path, sig, code):
+    import subprocess
+    import sys
+
+    src = save(tmp_path, small_model())
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_SAVE_RUN, str(src), "-q"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "staged"
+    assert list(tmp_path.glob(".amp_rewrite_tmp-*"))
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == code, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert not list(tmp_path.glob(".amp_rewrite_tmp-*"))
+    assert not (tmp_path / "m.amp.onnx").exists()
