@@ -54,7 +54,10 @@ class RewriteResult:
 
     def save(self, output: str | os.PathLike, keep: Iterable[str | os.PathLike] = ()) -> Path:
         """Write the model atomically; reuses the checked ModelProto when it fits in one file.
-        ``keep``: files the run reads, never removed as stale data files of ``output``."""
+        ``keep``: files the run reads, never removed as stale data files of ``output``.
+        Writing over the input model or its weights is a UsageError."""
+        output = io.check_save_target(self.model, output)
+        keep = [*keep, *io.external_data_files(self.model)]
         if self.needs_external_data:
             return io.save_model(self.model, output, keep)
         return io.save_proto(self.proto(), output, keep)

@@ -28,6 +28,7 @@ UNTYPED_AT_LOAD = "amp_rewrite.untyped_at_load"  # model.meta key: node outputs 
 # model.meta key: names the input described with a value_info (consulted for initializers)
 DESCRIBED_INITIALIZERS = "amp_rewrite.described_initializers"
 EXTERNAL_FILES = "amp_rewrite.external_files"  # model.meta key: data files read at load
+SOURCE_PATH = "amp_rewrite.source_path"  # model.meta key: the file the model was loaded from
 SYMBOLIC_DIM_EXTENT = 64  # nominal size of a symbolic dim (batch, sequence) for cast costs
 
 
@@ -76,6 +77,7 @@ def load_model(source: str | os.PathLike | onnx.ModelProto | bytes | ir.Model) -
     model = _from_proto(proto, str(path))
     ir.external_data.set_base_dir(model.graph, path.parent)
     model.meta[EXTERNAL_FILES] = sorted({path.parent / loc for loc in external})
+    model.meta[SOURCE_PATH] = path
     return model
 
 
@@ -458,6 +460,18 @@ def check_path_conflicts(reads: Mapping[str, Iterable[str | os.PathLike]],
             raise UsageError(f"{label} {path} is also the {written[ident]} path; give each "
                              "output its own file")
         written[ident] = label
+
+
+def check_save_target(model: ir.Model, output: str | os.PathLike) -> Path:
+    """Where ``save`` may write the model loaded by ``load_model``: the checks of
+    ``check_output_path``, and never the source file or one of its external-data files
+    (the Python API's guard; the CLI checks all its paths up front)."""
+    source = model.meta.get(SOURCE_PATH)
+    out = check_output_path(source, output)
+    check_path_conflicts({"the input model": [source] if source else [],
+                          "an external-data file of the input": external_data_files(model)},
+                         {"the output": out})
+    return out
 
 
 def external_data_files(model: ir.Model) -> list[Path]:

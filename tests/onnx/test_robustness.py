@@ -509,3 +509,15 @@ def test_signal_from_another_process_removes_temp_files(tmp_path, sig, code):
     assert err.count("\n") == 1 and "Traceback" not in err
     assert not list(tmp_path.glob(".amp_rewrite_tmp-*"))
     assert not (tmp_path / "m.amp.onnx").exists()
+
+
+@pytest.mark.parametrize("target", ["a.onnx", "a.onnx.data", "link.onnx"])
+def test_python_api_save_never_overwrites_the_input_or_its_weights(ext_model, tmp_path, target):
+    (tmp_path / "link.onnx").symlink_to(ext_model)
+    before = {p: digest(p) for p in (ext_model, tmp_path / "a.onnx.data")}
+    result = rewrite_onnx_model(str(ext_model))
+    with pytest.raises(UsageError):
+        result.save(tmp_path / target)
+    assert {p: digest(p) for p in before} == before
+    assert result.save(tmp_path / "ok.onnx") == tmp_path / "ok.onnx"
+    onnx.checker.check_model(str(tmp_path / "ok.onnx"), full_check=True)
