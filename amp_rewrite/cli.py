@@ -213,8 +213,12 @@ def _blame_invalid_input(path: Path) -> None:
     instead of reporting an internal error (the plain check at load passes such models)."""
     import onnx
 
+    try:  # in memory, with its weights: by path, inference cannot read external shapes
+        proto = onnx.load(str(path))
+    except Exception:  # noqa: BLE001 - too large to check in memory: no verdict on the input
+        return
     try:
-        onnx.checker.check_model(str(path), full_check=True)
+        onnx.checker.check_model(proto, full_check=True)
     except Exception as e:  # noqa: BLE001 - the checker raises several types
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelError(f"{path}: the model fails ONNX type and shape inference ({first}); "
@@ -260,9 +264,8 @@ def _check_side_paths(args) -> Path | None:
         raise UsageError(f"--calibrate {args.calibrate}: no such file")
     if not args.report:
         return None
-    report = Path(args.report)
-    io.check_writable_file(report, "--report")
-    return report
+    io.check_writable_file(args.report, "--report")
+    return Path(args.report)
 
 
 def _validate(args, result):
@@ -271,10 +274,13 @@ def _validate(args, result):
     from amp_rewrite.core import LowDtype
     from amp_rewrite.onnx import validate
 
+    from amp_rewrite.onnx import io
+
     fp32 = onnx.load(args.model)
+    # the IR of a model with external data still refers to the input's data file
+    mixed = io.proto_with_weights(result.model) if result.needs_external_data else result.proto()
     feeds = validate.load_feeds(args.calibrate) if args.calibrate else None
-    return validate.validate(fp32, result.proto(), LowDtype.parse(args.dtype),
-                             feeds, args.tolerance)
+    return validate.validate(fp32, mixed, LowDtype.parse(args.dtype), feeds, args.tolerance)
 
 
 def _finish(args, result, out: Path | None, validation, seconds: float,

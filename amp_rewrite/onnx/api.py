@@ -123,7 +123,7 @@ def _calibrate(source, model: ir.Model, low: LowDtype, data, threshold) -> dict[
 
     threshold = default_threshold(low) if threshold is None else threshold
     feeds = validate.load_feeds(data)
-    maxima = validate.value_maxima(io.to_proto(model), feeds)
+    maxima = validate.value_maxima(io.proto_with_weights(model), feeds)
     pinned = {name: m for name, m in maxima.items() if m > threshold}
     logger.info("calibration: %d of %d values exceed %.4g", len(pinned), len(maxima), threshold)
     return pinned

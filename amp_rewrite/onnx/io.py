@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx.external_data_helper
 import onnx.inliner
 import onnx_ir as ir
 
@@ -429,8 +430,12 @@ def check_output_path(input_path: str | os.PathLike | None, output: str | os.Pat
     return out
 
 
-def check_writable_file(path: Path, flag: str) -> None:
-    """``path`` can be created or replaced: not a directory, in a writable directory."""
+def check_writable_file(path: str | os.PathLike, flag: str) -> None:
+    """``path`` can be created or replaced: not a directory (nor written as one, with a
+    trailing slash), in a writable directory."""
+    if str(path).endswith((os.sep, "/")) or Path(path).is_dir():
+        raise UsageError(f"{flag} {path}: is a directory; give a file name")
+    path = Path(path)
     if path.is_dir():
         raise UsageError(f"{flag} {path}: is a directory; give a file name")
     parent = path.parent
@@ -460,6 +465,22 @@ def check_path_conflicts(reads: Mapping[str, Iterable[str | os.PathLike]],
             raise UsageError(f"{label} {path} is also the {written[ident]} path; give each "
                              "output its own file")
         written[ident] = label
+
+
+def proto_with_weights(model: ir.Model) -> onnx.ModelProto:
+    """The model as one in-memory ModelProto with its external weights read in: onnxruntime
+    sessions built from bytes (calibration, validation) cannot resolve relative data files."""
+    proto = to_proto(model)
+    files = external_data_files(model)
+    if not files:
+        return proto
+    if sum(f.stat().st_size for f in files) > PROTOBUF_LIMIT:
+        raise ModelError("the model's weights exceed 2 GB: onnxruntime cannot run it from "
+                         "memory for calibration or validation; run without them")
+    source = model.meta.get(SOURCE_PATH)
+    base = source.parent if source is not None else files[0].parent
+    onnx.external_data_helper.load_external_data_for_model(proto, str(base))
+    return proto
 
 
 def check_save_target(model: ir.Model, output: str | os.PathLike) -> Path:
@@ -585,7 +606,9 @@ def save_model(model: ir.Model, output: str | os.PathLike,
     with _staged(out) as tmp_model:
         with initializers_undescribed(model):
             _retry_with_text_names(
-                model, lambda: ir.save(model, tmp_model, external_data=data_name))
+                # binary whatever the name: onnx_ir picks JSON/text from the extension
+                model, lambda: ir.save(model, tmp_model, format="protobuf",
+                                       external_data=data_name))
         _check_saved(tmp_model)
         os.replace(tmp_model.with_name(data_name), out.parent / data_name)
         _commit(tmp_model, out, data_name, keep)

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -521,3 +522,61 @@ def test_python_api_save_never_overwrites_the_input_or_its_weights(ext_model, tm
     assert {p: digest(p) for p in before} == before
     assert result.save(tmp_path / "ok.onnx") == tmp_path / "ok.onnx"
     onnx.checker.check_model(str(tmp_path / "ok.onnx"), full_check=True)
+
+
+def test_every_pairing_of_output_and_report_paths_keeps_the_inputs(ext_model, tmp_path, capsys,
+                                                                   monkeypatch):
+    """-o and --report each drawn from the inputs, aliases of them, directories and fresh
+    names: the run either writes two distinct new files (exit 0) or nothing (exit 2), and the
+    inputs stay byte-identical."""
+    calib = tmp_path / "in.npz"
+    shutil.copy(EXAMPLE_INPUTS, calib)
+    rules = tmp_path / "r.toml"
+    rules.write_text('schema = 1\n[deny]\nSoftmax = "mine"\n')
+    (tmp_path / "alias.onnx").symlink_to(ext_model)
+    (tmp_path / "hard.npz").hardlink_to(calib)
+    (tmp_path / "d").mkdir()
+    monkeypatch.chdir(tmp_path)
+    inputs = [ext_model, tmp_path / "a.onnx.data", calib, rules]
+    candidates = ["a.onnx", "./a.onnx.data", "in.npz", "r.toml", "alias.onnx", "hard.npz",
+                  "d", "d/", "missing/", "new.onnx", "new.json"]
+    for out in candidates:
+        for report in candidates:
+            before = {p: digest(p) for p in inputs}
+            listing = set(tmp_path.rglob("*"))
+            code, _, err = run_cli([ext_model, "-o", out, "--report", report, "-q",
+                                    "--calibrate", calib, "--rules", rules], capsys)
+            assert code in (0, 2), (out, report, err)
+            assert {p: digest(p) for p in inputs} == before, (out, report)
+            created = set(tmp_path.rglob("*")) - listing
+            if code == 2:
+                assert not created, (out, report, created)
+                continue
+            report_file = (tmp_path / report).resolve()
+            models = [p for p in created if p.resolve() != report_file
+                      and not p.name.endswith(".data")]
+            assert len(models) == 1 and report_file.is_file(), (out, report, created)
+            onnx.checker.check_model(str(models[0]), full_check=True)
+            assert json.loads(report_file.read_text())["output"] == str(models[0].relative_to(
+                tmp_path)) or Path(json.loads(report_file.read_text())["output"]).resolve() \
+                == models[0].resolve()
+            for p in created:  # start the next pairing from the same directory
+                p.unlink()
+
+
+def test_validate_and_calibrate_a_model_with_external_data(ext_model, tmp_path, capsys):
+    """onnxruntime sessions built from bytes cannot resolve relative data files: both runs
+    read the weights in (this failed with 'Cannot parse data from external tensors')."""
+    code, out, err = run_cli([ext_model, "-o", tmp_path / "o.onnx", "--validate",
+                              "--calibrate", EXAMPLE_INPUTS], capsys)
+    assert code == 0, err
+    assert "max rel" in out and "FAIL" not in out
+
+
+def test_output_named_json_is_still_binary_onnx(ext_model, tmp_path, capsys):
+    """onnx_ir picks the format from the extension; the output is always protobuf."""
+    code, _, err = run_cli([ext_model, "-o", tmp_path / "model.json", "-q"], capsys)
+    assert code == 0, err
+    proto = onnx.ModelProto()
+    proto.ParseFromString((tmp_path / "model.json").read_bytes())
+    assert proto.graph.node
