@@ -684,7 +684,7 @@ def _our_data_files(out: Path) -> list[Path]:
 
 def _referenced_data_files(model_path: Path) -> set[str]:
     try:
-        proto = onnx.load(str(model_path), load_external_data=False)
+        proto = onnx.load(str(model_path), format="protobuf", load_external_data=False)
     except Exception:  # noqa: BLE001 - unreadable: keep every file
         return {p.name for p in _our_data_files(model_path)}
     return {kv.value for t in proto.graph.initializer
