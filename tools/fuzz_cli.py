@@ -46,11 +46,16 @@ def main() -> int:
         for seed in range(args.first_seed, args.first_seed + args.runs):
             outcome = fuzz.run_case(fuzz.make_case(seed, models), Path(work))
             codes[outcome.exit_code] += 1
-            for m in outcome.case.mutations:
+            labels = list(outcome.case.mutations)
+            if outcome.case.external is not None:
+                labels.append("external" + (f"-{outcome.case.external}"
+                                            if outcome.case.external else ""))
+            for m in labels:
                 by_mutation[m][outcome.exit_code] += 1
             if outcome.bad:
                 bad.append({"seed": seed, "base": outcome.case.base,
                             "mutations": outcome.case.mutations, "flags": outcome.case.flags,
+                            "external": outcome.case.external,
                             "exit_code": outcome.exit_code, "stderr": outcome.stderr[-500:]})
     seconds = time.perf_counter() - start
     result = {"runs": args.runs, "first_seed": args.first_seed, "seconds": round(seconds, 1),

@@ -298,6 +298,9 @@ class Case:
     data: bytes
     flags: list[str]
     calibration: dict[str, np.ndarray] | None = None
+    # weights in a side file, and what goes wrong with it: "" (nothing), "offset",
+    # "length", "truncated", "missing"; None: weights inline
+    external: str | None = None
 
 
 def make_case(seed: int, models: dict[str, onnx.ModelProto]) -> Case:
@@ -322,7 +325,42 @@ def make_case(seed: int, models: dict[str, onnx.ModelProto]) -> Case:
     flags = r.choice([[], ["--validate"], ["--dtype", "bf16"], ["--no-keep-io-types", "--validate"],
                       ["--keep-fp32", "mm"], ["--calibrate"], ["--calibrate", "--validate"]])
     calibration = _calibration(models[base], r) if "--calibrate" in flags else None
-    return Case(seed, base, names, data, flags, calibration)
+    external = None
+    if "bytes" not in names and r.random() < 0.25:
+        external = r.choice(["", "", "", "offset", "length", "truncated", "missing"])
+    return Case(seed, base, names, data, flags, calibration, external)
+
+
+def _write_model(case: Case, src: Path) -> None:
+    """The case's bytes, or (``case.external``) the model with its weights in a side file,
+    damaged as the case says."""
+    if case.external is None:
+        src.write_bytes(case.data)
+        return
+    proto = onnx.ModelProto()
+    try:
+        proto.ParseFromString(case.data)
+        onnx.save(proto, src, save_as_external_data=True, location=src.name + ".data",
+                  size_threshold=0)
+    except Exception:  # noqa: BLE001 - a mutation the saver refuses: inline then
+        src.write_bytes(case.data)
+        return
+    data = src.with_name(src.name + ".data")
+    if case.external == "missing":
+        data.unlink(missing_ok=True)
+    elif case.external == "truncated" and data.exists():
+        data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    elif case.external in ("offset", "length"):
+        external = [t for t in proto.graph.initializer if t.external_data]
+        if external:
+            entry = external[0].external_data
+            keys = [kv.key for kv in entry]
+            if case.external not in keys:
+                entry.add(key=case.external, value="0")
+            for kv in entry:
+                if kv.key == case.external:
+                    kv.value = str(10**9)
+            src.write_bytes(proto.SerializeToString())
 
 
 def _calibration(model: onnx.ModelProto, r: random.Random) -> dict[str, np.ndarray]:
@@ -364,7 +402,7 @@ def run_case(case: Case, workdir: Path) -> Outcome:
 
     workdir.mkdir(parents=True, exist_ok=True)
     src = workdir / f"fuzz_{case.seed}.onnx"
-    src.write_bytes(case.data)
+    _write_model(case, src)
     flags = list(case.flags)
     if case.calibration is not None:
         npz = workdir / f"fuzz_{case.seed}.npz"

@@ -2,7 +2,8 @@
 
 60 mutated models (strings with invalid UTF-8, types, dims, raw data, ops, inputs,
 attributes, outputs, headers, node order, initializers, local functions, flipped or
-truncated bytes, malformed calibration data), each run in-process through ``cli.main``.
+truncated bytes, malformed calibration data, weights in a side file that may be damaged or
+missing), each run in-process through ``cli.main``.
 ``tools/fuzz_cli.py`` runs the same generator at scale.
 """
 from __future__ import annotations
