@@ -14,6 +14,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from amp_rewrite.errors import (AmpRewriteError, ModelError, OutputCheckError, UsageError,
@@ -159,53 +160,79 @@ def _list_rules(args) -> int:
     return 0
 
 
+@dataclass
+class _RunPaths:
+    model: Path
+    output: Path
+    report: Path | None
+    reads: dict[str, list]  # what it is -> paths; external data is added once loaded
+    writes: dict[str, Path]  # flag -> path
+
+
 def _rewrite(args) -> int:
     from amp_rewrite.core.runtime import gc_paused
     from amp_rewrite.onnx import io
-    from amp_rewrite.onnx.api import rewrite_onnx_model
 
     start = time.perf_counter()
-    model_path = io.check_input_path(args.model)
-    out = io.check_output_path(args.model, args.output or io.default_output_path(args.model))
-    report_path = _check_side_paths(args)
-    reads = _read_paths(args)
-    writes = {"-o": out, **({"--report": report_path} if report_path else {})}
-    io.check_path_conflicts(reads, writes)
+    paths = _check_paths(args)
     # The collector stays paused until the IR is freed: it would rescan the whole IR (~1M
     # objects at 50k nodes) during the check and the save, and once more at exit.
     with gc_paused():
         with _Stages(args) as stages:
-            stages.step("load")
-            model = io.load_model(model_path)
-            reads["an external-data file of the input"] = io.external_data_files(model)
-            io.check_path_conflicts(reads, writes)
-            stages.step("rewrite")
-            try:
-                result = rewrite_onnx_model(model, dtype=args.dtype,
-                                            keep_io_types=args.keep_io_types, rules=args.rules,
-                                            keep_fp32=args.keep_fp32,
-                                            calibration_data=args.calibrate,
-                                            calibration_threshold=args.threshold,
-                                            savings_weight=args.savings_weight)
-            except OutputCheckError:
-                _blame_invalid_input(model_path)
-                raise
+            result = _load_and_rewrite(args, paths, stages)
             validation, failure = _validate_stage(args, result, stages)
             if failure is None:
                 stages.step("save")
-                try:
-                    result.save(out, keep=[p for paths in reads.values() for p in paths])
-                except OutputCheckError:  # models with external data are checked on disk
-                    _blame_invalid_input(model_path)
-                    raise
+                with _input_blamed_if_invalid(paths.model):  # external data: checked on disk
+                    result.save(paths.output,
+                                keep=[p for group in paths.reads.values() for p in group])
         # the progress bar is finished and cleared before anything is printed
-        _finish(args, result, None if failure else out, validation,
-                time.perf_counter() - start, report_path)
+        _finish(args, result, None if failure else paths.output, validation,
+                time.perf_counter() - start, paths.report)
         if failure is not None:
             raise failure
         io.release(result.model)
         del result
     return 0
+
+
+def _check_paths(args) -> _RunPaths:
+    """Every path argument checked before any work; nothing written is something read."""
+    from amp_rewrite.onnx import io
+
+    model = io.check_input_path(args.model)
+    out = io.check_output_path(args.model, args.output or io.default_output_path(args.model))
+    report = _check_side_paths(args)
+    paths = _RunPaths(model, out, report, _read_paths(args),
+                      {"-o": out, **({"--report": report} if report else {})})
+    io.check_path_conflicts(paths.reads, paths.writes)
+    return paths
+
+
+def _load_and_rewrite(args, paths: _RunPaths, stages):
+    from amp_rewrite.onnx import io
+    from amp_rewrite.onnx.api import rewrite_onnx_model
+
+    stages.step("load")
+    model = io.load_model(paths.model)
+    paths.reads["an external-data file of the input"] = io.external_data_files(model)
+    io.check_path_conflicts(paths.reads, paths.writes)  # still before anything is written
+    stages.step("rewrite")
+    with _input_blamed_if_invalid(paths.model):
+        return rewrite_onnx_model(model, dtype=args.dtype, keep_io_types=args.keep_io_types,
+                                  rules=args.rules, keep_fp32=args.keep_fp32,
+                                  calibration_data=args.calibrate,
+                                  calibration_threshold=args.threshold,
+                                  savings_weight=args.savings_weight)
+
+
+@contextlib.contextmanager
+def _input_blamed_if_invalid(model_path: Path) -> Iterator[None]:
+    try:
+        yield
+    except OutputCheckError:
+        _blame_invalid_input(model_path)
+        raise
 
 
 def _blame_invalid_input(path: Path) -> None:
