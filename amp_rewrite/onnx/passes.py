@@ -94,15 +94,25 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
         return [line for k in keys for line in explain_chain(self.plan, self.view.graph, k)]
 
 
-def infer_missing_types(model: ir.Model, graphs: list[ir.Graph]) -> None:
-    """Dtypes for node outputs that still have none after loading (load_model already ran
-    ONNX shape inference): a dtype-only propagation through the op schemas."""
-    from amp_rewrite.onnx.ports import infer_output_dtypes, node_opset
+def infer_missing_types(model: ir.Model, graphs: list[ir.Graph] | None = None) -> None:
+    """Dtypes for node outputs and subgraph inputs that still have none after loading
+    (load_model already ran ONNX shape inference where node outputs lacked types): a
+    dtype-only propagation through the op schemas and across control-flow boundaries."""
+    _infer_graph(model.graph, dict(model.opset_imports))
 
-    opsets = dict(model.opset_imports)
-    for g in graphs:
-        for n in g:
-            infer_output_dtypes(n, node_opset(n, opsets))
+
+def _infer_graph(graph: ir.Graph, opsets: dict[str, int]) -> None:
+    from amp_rewrite.onnx.ports import (body_graphs, infer_output_dtypes, node_opset,
+                                        type_body_inputs, type_outputs_from_bodies)
+
+    for n in graph:
+        opset = node_opset(n, opsets)
+        if n.attributes and body_graphs(n):
+            type_body_inputs(n, opset)
+            for body in body_graphs(n):
+                _infer_graph(body, opsets)
+            type_outputs_from_bodies(n)
+        infer_output_dtypes(n, opset)
 
 
 def _forget_load_time_types(model: ir.Model) -> None:

@@ -14,7 +14,8 @@ import onnx_ir as ir
 
 from amp_rewrite.core import GroupInfo, LowDtype, Precision, PrecisionGraph
 from amp_rewrite.onnx.io import INFERRED_SIZES, SYMBOLIC_DIM_EXTENT, walk_graphs
-from amp_rewrite.onnx.ports import PortGroup, is_candidate, node_opset, port_groups, to_ir_dtype
+from amp_rewrite.onnx.ports import (CONTROL_FLOW, PortGroup, Tie, body_graphs, control_flow_ties,
+                                    is_candidate, node_opset, port_groups, to_ir_dtype)
 
 INSERTED_TAG = "amp_rewrite.inserted"
 CAST_OPS = ("Cast", "CastLike")
@@ -33,6 +34,10 @@ class OnnxView:
     # The model's own Cast/CastLike nodes with their (input, output) dtypes before the rewrite
     # (``apply`` removes those the rewrite changes into identities).
     model_casts: list[tuple[ir.Node, tuple]] = field(default_factory=list)
+    # Control-flow ties (``ports.Tie``) and the bodies whose boundary they cover: those
+    # bodies' inputs and outputs are no sources or sinks, the tie carries them.
+    ties: dict[tuple, tuple[ir.Node, Tie]] = field(default_factory=dict)
+    tied_bodies: set[int] = field(default_factory=set)  # id() of ir.Graph
 
 
 def value_nbytes(value: ir.Value, inferred: dict[str, int | None]) -> int | None:
@@ -80,7 +85,8 @@ def _current(value: ir.Value, low_ir: ir.DataType) -> Precision:
 
 def _add_sources(view: OnnxView, g: ir.Graph, low_ir: ir.DataType, is_main: bool,
                  keep_io: bool) -> None:
-    for v in g.inputs:
+    tied = id(g) in view.tied_bodies
+    for v in g.inputs if not tied else ():
         if is_candidate(v, low_ir):
             keep = not is_main or keep_io or v.dtype == low_ir
             reason = ("graph input keeps its dtype (keep_io_types)" if is_main
@@ -101,6 +107,8 @@ def _source(view, g, v, node, fixed, reason) -> None:
 
 def _add_sinks(view: OnnxView, g: ir.Graph, low_ir: ir.DataType, is_main: bool,
                keep_io: bool) -> None:
+    if id(g) in view.tied_bodies:
+        return
     for i, v in enumerate(g.outputs):
         if not is_candidate(v, low_ir):
             continue
@@ -115,6 +123,8 @@ def _add_node(view: OnnxView, node: ir.Node, opset: int, low_ir: ir.DataType) ->
     domain, op_type = node.domain, node.op_type
     if op_type == "Constant" and domain == "":
         _add_constant(view, node, low_ir)
+        return
+    if op_type in CONTROL_FLOW and domain == "" and _add_ties(view, node, opset, low_ir):
         return
     groups = port_groups(node, opset, view.low)
     if not groups:
@@ -134,6 +144,27 @@ def _add_node(view: OnnxView, node: ir.Node, opset: int, low_ir: ir.DataType) ->
         info = GroupInfo(key, node, name, op_key, fixed, reason, savings=pg.saves_traffic,
                          tvar=pg.label)
         view.graph.add_group(info, inputs=reads, outputs=writes)
+
+
+def _add_ties(view: OnnxView, node: ir.Node, opset: int, low_ir: ir.DataType) -> bool:
+    """The node's ties as groups (see ``ports.Tie``); False where they cannot be formed."""
+    ties = control_flow_ties(node, opset, view.low)
+    if ties is None:
+        return False
+    view.tied_bodies.update(id(b) for b in body_graphs(node))
+    for index, tie in enumerate(ties):
+        reads, writes = tie.reads(node), tie.writes(node)
+        if tie.fixed_reason:
+            fixed, reason = _current(writes[0], low_ir), tie.fixed_reason
+        elif {v.dtype for v in reads + writes} == {low_ir}:
+            fixed, reason = Precision.LOW, f"already {low_ir.name.lower()} in the model"
+        else:
+            fixed, reason = None, ""
+        key = ("tie", node, index)
+        view.ties[key] = (node, tie)
+        view.graph.add_group(GroupInfo(key, node, node.name or "", node.op_type, fixed, reason,
+                                       savings=False, tvar="V"), inputs=reads, outputs=writes)
+    return True
 
 
 def cast_dtypes(cast: ir.Node) -> tuple[ir.DataType | None, ir.DataType | None]:
