@@ -49,7 +49,7 @@ def load_model(source: str | os.PathLike | onnx.ModelProto | bytes) -> ir.Model:
     if isinstance(source, bytes):
         source = _parse_bytes(source)
     if isinstance(source, onnx.ModelProto):
-        _check_input(source, "<ModelProto>")
+        source = _checked_or_repaired(source, "<ModelProto>")
         proto = _inline_local_functions(source)
         return _from_proto(proto)
     path = check_input_path(source)
@@ -60,7 +60,7 @@ def load_model(source: str | os.PathLike | onnx.ModelProto | bytes) -> ir.Model:
                          "check that the file is complete and really ONNX") from None
     if not proto.graph.node and not proto.graph.input and not proto.graph.output:
         raise ModelError(f"{path}: not an ONNX model (no graph found); is it truncated?")
-    _check_input(path if _has_external_data(proto) else proto, str(path))
+    proto = _checked_or_repaired(proto, str(path), path if _has_external_data(proto) else None)
     proto = _inline_local_functions(proto)
     model = _from_proto(proto)
     ir.external_data.set_base_dir(model.graph, path.parent)
@@ -187,6 +187,23 @@ def _type_fact(tp: onnx.TypeProto) -> TensorFact | None:
 
 def _has_external_data(proto: onnx.ModelProto) -> bool:
     return any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer)
+
+
+def _checked_or_repaired(proto: onnx.ModelProto, label: str,
+                         path: Path | None = None) -> onnx.ModelProto:
+    """``proto`` if it passes the checker, else a copy repaired of what runtimes infer
+    anyway (``repair.fill_output_types``) if that passes; else the checker's error."""
+    try:
+        _check_input(path or proto, label)
+        return proto
+    except ModelError:
+        from amp_rewrite.onnx import repair
+
+        repaired = repair.fill_output_types(proto)
+        if repaired is None:
+            raise
+    _check_input(repaired, label)
+    return repaired
 
 
 def _check_input(model: onnx.ModelProto | Path, label: str) -> None:

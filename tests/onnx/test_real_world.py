@@ -52,3 +52,95 @@ def test_opset27_scan_bodies_with_untyped_inputs_pass_our_output_check():
         got = ReferenceEvaluator(mixed).run(None, dict(zip(names, inputs)))
         for e, g in zip(expected, got):
             assert rel_error(e, g) < 1e-2, case.name
+
+
+# --- models the checker rejects, IR versions ---------------------------------------------
+
+def if_model(output_type: onnx.ValueInfoProto | None = None, ir_version: int = 8,
+             opset: int = 17) -> onnx.ModelProto:
+    """y = If(c) then MatMul(x, w) else Relu(x); branch outputs and y left untyped, as
+    exporters write them (onnxruntime infers them; the checker refuses the model)."""
+    from onnx import TensorProto as T
+    from onnx import helper as h
+
+    rng = np.random.default_rng(0)
+    w = onnx.numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), "w")
+    then = h.make_graph([h.make_node("MatMul", ["x", "w"], ["a"])], "then", [],
+                        [onnx.ValueInfoProto(name="a")])
+    other = h.make_graph([h.make_node("Relu", ["x"], ["b"])], "else", [],
+                         [onnx.ValueInfoProto(name="b")])
+    graph = h.make_graph(
+        [h.make_node("If", ["c"], ["y"], then_branch=then, else_branch=other)], "g",
+        [h.make_tensor_value_info("x", T.FLOAT, [2, 8]), h.make_tensor_value_info("c", T.BOOL, [])],
+        [output_type or onnx.ValueInfoProto(name="y")], [w])
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", opset)])
+    model.ir_version = ir_version
+    return model
+
+
+def ort_run(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)
+
+
+def test_untyped_graph_outputs_that_ort_runs_are_typed_and_rewritten():
+    fp32 = if_model()
+    with pytest.raises(onnx.checker.ValidationError):
+        onnx.checker.check_model(fp32)
+    x = np.random.default_rng(1).standard_normal((2, 8)).astype(np.float32)
+    mixed = rewrite_onnx(fp32)  # refused as an invalid model before
+    onnx.checker.check_model(mixed, full_check=True)
+    assert mixed.graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+    assert "MatMul" in [n.op_type for a in mixed.graph.node[-2].attribute for n in a.g.node]
+    for c in (True, False):
+        feeds = {"x": x, "c": np.array(c)}
+        (expected,) = ort_run(fp32, feeds)
+        for got in (ort_run(mixed, feeds)[0], ReferenceEvaluator(mixed).run(None, feeds)[0]):
+            assert rel_error(expected, got) < 1e-2
+
+
+def test_output_is_checked_as_strictly_as_the_input_passed(monkeypatch, caplog):
+    from onnx import helper as h
+
+    calls = []
+    real_check = onnx.checker.check_model
+
+    def spy(model, full_check=False, **kw):
+        calls.append(full_check)
+        return real_check(model, full_check=full_check, **kw)
+
+    monkeypatch.setattr(onnx.checker, "check_model", spy)
+    valid = if_model(h.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 8]))
+    rewrite_onnx(valid)
+    assert True in calls  # the output got the full check the input passes
+    # A value_info contradicting the real type fails only the full check (ORT ignores it):
+    # the output is held to the plain check the input passed, and the user is told.
+    contradicting = if_model(h.make_tensor_value_info("y", onnx.TensorProto.INT64, [2, 8]))
+    with pytest.raises(Exception):
+        real_check(contradicting, full_check=True)
+    calls.clear()
+    rewrite_onnx(contradicting)
+    assert calls[-2:] == [True, False]  # full check failed as the input's does; plain passed
+    assert "fails the full ONNX check as the input does" in caplog.text
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_ir14_from_make_model_is_written_at_the_lowest_ir_ort_loads(tmp_path, dtype):
+    from amp_rewrite.cli import main
+
+    fp32 = if_model(onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 8]),
+                    ir_version=onnx.IR_VERSION, opset=21)
+    assert fp32.ir_version == 14  # what onnx 1.23's make_model writes; ORT 1.31 refuses it
+    src, out = tmp_path / "m.onnx", tmp_path / "m.amp.onnx"
+    onnx.save(fp32, src)
+    assert main([str(src), "-o", str(out), "--dtype", dtype, "--validate", "-q"]) == 0
+    mixed = onnx.load(out)
+    assert mixed.ir_version == onnx.helper.find_min_ir_version_for(list(fp32.opset_import)) == 10
+    feeds = {"x": np.ones((2, 8), np.float32), "c": np.array(True)}
+    fp32.ir_version = 10
+    assert rel_error(ort_run(fp32, feeds)[0], ReferenceEvaluator(mixed).run(None, feeds)[0]) < (
+        1e-2 if dtype == "fp16" else 5e-2)
+    if dtype == "fp16":  # ORT-CPU has no bf16 MatMul kernel
+        assert rel_error(ort_run(fp32, feeds)[0], ort_run(mixed, feeds)[0]) < 1e-2
