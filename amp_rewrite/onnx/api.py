@@ -69,19 +69,35 @@ def rewrite_onnx_model(source: str | os.PathLike | onnx.ModelProto | bytes, *,
                        rules: Iterable[str | os.PathLike] = (), keep_fp32: Iterable[str] = (),
                        calibration_data: Mapping[str, np.ndarray] | str | os.PathLike | None = None,
                        calibration_threshold: float | None = None,
-                       savings_weight: float = 0.0, check: bool = True) -> RewriteResult:
-    """Load, rewrite and check a model; returns the onnx_ir model and the report."""
+                       savings_weight: float = 0.0, check: bool = True,
+                       clamp_constants: bool = False, opset: int | None = None
+                       ) -> RewriteResult:
+    """Load, rewrite and check a model; returns the onnx_ir model and the report.
+
+    Constants the low dtype cannot hold keep their readers fp32 (the report lists them
+    under ``constants_kept_fp32``); ``clamp_constants=True`` stores them clamped instead.
+    ``opset``: first convert the model to this ai.onnx opset (onnx's version converter);
+    bf16 needs 22 for Conv, BatchNormalization, LSTM, ... (the report's ``opset_advice``).
+    """
     start = time.perf_counter()
     low = LowDtype.parse(dtype)
     with gc_paused():
         model = io.load_model(source)
         had_external = io.input_had_external_data(model)
+        if opset is not None:
+            model = versions.convert_opset(model, opset)
+            if isinstance(source, (str, os.PathLike)):  # external weights stay beside it
+                ir.external_data.set_base_dir(model.graph, Path(source).parent)
         pinned = _calibrate(source, model, low, calibration_data, calibration_threshold)
         options = OnnxOptions(low, keep_io_types, tuple(map(str, listed(rules))),
-                              tuple(listed(keep_fp32)), pinned, savings_weight)
+                              tuple(listed(keep_fp32)), pinned, savings_weight,
+                              clamp_constants=clamp_constants)
         pass_ = MixedPrecisionPass(options)
         pass_(model)
         versions.set_lowest_ir_version(model)
+        advice = pass_.opset_advice()
+        if advice:
+            logger.warning("%s", advice)
         result = RewriteResult(model, pass_, had_external)
         if check:
             _check_output(result, source)

@@ -29,6 +29,9 @@ class OnnxOptions:
     # value name -> observed max |x| from calibration, already above the threshold
     pinned_values: Mapping[str, float] = field(default_factory=dict)
     savings_weight: float = 0.0  # β: see amp_rewrite.core.placement.place
+    # Store constants beyond the low dtype's range clamped (and run their readers low), as
+    # before issue 17; off by default: such constants keep their readers in fp32.
+    clamp_constants: bool = False
 
 
 class MixedPrecisionPass(ir.passes.InPlacePass):
@@ -46,10 +49,12 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
         graphs = list(io.walk_graphs(model.graph))  # one walk for both steps
         infer_missing_types(model, graphs)
         self.view = build_view(model, self.options.dtype,
-                               keep_io_types=self.options.keep_io_types, graphs=graphs)
+                               keep_io_types=self.options.keep_io_types, graphs=graphs,
+                               clamp_constants=self.options.clamp_constants)
         self.plan = plan_precision(self.view.graph, self.rules,
                                    keep_fp32=self.options.keep_fp32, pins=self._pins(),
-                                   savings_weight=self.options.savings_weight)
+                                   savings_weight=self.options.savings_weight,
+                                   wide_values=self.view.wide_values)
         self.stats = apply_plan(model, self.view, self.plan)
         _forget_load_time_types(model)
         return ir.passes.PassResult(model, modified=self.stats.modified)
@@ -82,10 +87,44 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
             "constant_copies": s.constant_copies,
             "values_clamped": s.values_clamped,
             "clamped_constants": s.clamped_constants,
+            "constants_kept_fp32": sorted(self.view.wide_values.values()),
             "unlisted_ops": unlisted_ops(records),
             "pinned_by_calibration": sorted(self.options.pinned_values),
+            "opset_advice": self.opset_advice(),
             "modified": s.modified,
         }
+
+    def opset_advice(self) -> str | None:
+        """What to do when most compute stays fp32 because the model's opset does not admit
+        the low dtype (bf16 before opset 22 for Conv, BatchNormalization, LSTM, ...)."""
+        from amp_rewrite.core import OpClass
+        from amp_rewrite.onnx.ports import first_opset_admitting
+
+        compute = limited = 0
+        ops: dict[tuple[str, str], int] = {}
+        for node, pg in self.view.groups.values():
+            op_key = node.op_type if node.domain == "" else f"{node.domain}::{node.op_type}"
+            if self.rules.class_of(op_key) not in (OpClass.ALLOW, OpClass.GRAY):
+                continue
+            compute += 1
+            if pg.opset_limited:
+                limited += 1
+                ops[(node.domain, node.op_type)] = node.version or self._opset(node.domain)
+        if not compute or limited * 2 <= compute:
+            return None
+        low = self.options.dtype
+        targets = [first_opset_admitting(d, op, low, v) for (d, op), v in ops.items()]
+        names = ", ".join(sorted(op for _, op in ops))
+        current = self._opset("")
+        advice = (f"{limited} of {compute} compute ops ({names}) do not admit {low.value} at "
+                  f"opset {current}, so most compute stays fp32")
+        known = [t for t in targets if t is not None]
+        if known:
+            advice += f": re-run with --opset {max(known)} (or opset={max(known)})"
+        return advice
+
+    def _opset(self, domain: str) -> int:
+        return dict(self.view.opsets).get(domain, 1)
 
     def explain(self, node_name: str) -> list[str]:
         from amp_rewrite.core import explain_chain

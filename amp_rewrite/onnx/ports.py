@@ -32,6 +32,7 @@ HIGH_TYPE_VARS = {
     ("com.microsoft", "SimplifiedLayerNormalization"): {"U": "statistics stay fp32 in ORT"},
 }
 CONTROL_FLOW = {"If", "Loop", "Scan"}
+NOT_ADMITTED = "does not admit"
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,9 @@ class PortGroup:
     # False for the converted input of Cast, CastLike, EyeLike, ...: the op converts whatever
     # it reads, so reading it low saves nothing that a Cast in front would not cost again.
     saves_traffic: bool = True
+    # Fixed high only because the schema at this opset does not admit the low dtype (a
+    # newer opset would): counted for the "re-run with --opset N" advice.
+    opset_limited: bool = False
 
     @functools.cached_property  # port groups are cached and shared: computed once
     def label(self) -> str:
@@ -152,7 +156,8 @@ def _merge(node: ir.Node, schema, by_tvar, low: LowDtype) -> list[PortGroup]:
         slot[0].append(tvar), slot[1].extend(ins), slot[2].extend(outs)
     converts = node.op_type in INDEPENDENT_TYPE_VARS
     return [PortGroup(tuple(t), tuple(sorted(i)), tuple(sorted(o)), r, a,
-                      saves_traffic=not (converts and not o))
+                      saves_traffic=not (converts and not o),
+                      opset_limited=bool(r) and NOT_ADMITTED in r)
             for t, i, o, r, a in merged.values()]
 
 
@@ -167,7 +172,7 @@ def _fixed_reason(node, tvar: str, constraints, high_policy, ins, low: LowDtype)
     if allowed is None:  # a concrete type such as tensor(float)
         return f"the {node.op_type} schema fixes this port to {tvar}"
     if f"tensor({low.value})" not in allowed:
-        return f"{node.op_type}'s {tvar} does not admit {low.value} at this opset"
+        return f"{node.op_type}'s {tvar} {NOT_ADMITTED} {low.value} at this opset"
     if not ins and node.op_type not in RETYPE_ATTRIBUTE:
         return f"{node.op_type}'s output type {tvar} cannot be retyped"
     return None
@@ -367,3 +372,17 @@ def _tie_slots(node: ir.Node, opset: int) -> list[tuple] | None:
     return [*(((j,), ((body, j),), (body.inputs[j],), (j,)) for j in range(state)),
             *(((state + m,), (), (body.inputs[state + m],), ()) for m in range(scan_in)),
             *(((), ((body, state + k),), (), (state + k,)) for k in range(scan_out))]
+
+
+def first_opset_admitting(domain: str, op_type: str, low: LowDtype, after: int) -> int | None:
+    """The first opset after ``after`` whose schema of the op admits ``low`` for its first
+    input's type variable (where Conv, BatchNormalization, LSTM gained bf16: 22)."""
+    for opset in range(after + 1, onnx.defs.onnx_opset_version() + 1):
+        schema = _schema(domain, op_type, opset)
+        if schema is None or not schema.inputs:
+            continue
+        tvar = schema.inputs[0].type_str
+        allowed = {tc.type_param_str: tc.allowed_type_strs for tc in schema.type_constraints}
+        if f"tensor({low.value})" in allowed.get(tvar, ()):
+            return opset
+    return None

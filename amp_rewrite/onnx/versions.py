@@ -106,11 +106,11 @@ def convert_opset(model: ir.Model, target: int) -> ir.Model:
     if target > onnx.defs.onnx_opset_version():
         raise UsageError(f"--opset {target}: this onnx knows opsets up to "
                          f"{onnx.defs.onnx_opset_version()}")
-    import onnx.version_converter
+    from onnx import version_converter
 
     proto = ir.to_proto(model)
     try:
-        converted = onnx.version_converter.convert_version(proto, target)
+        converted = version_converter.convert_version(proto, target)
     except Exception as e:  # the converter raises RuntimeError/ValueError/ConvertError
         raise ModelError(f"cannot convert the model from opset {current} to {target}: "
                          f"{str(e).strip().splitlines()[0] if str(e).strip() else e!r}; "

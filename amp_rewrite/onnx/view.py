@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import ml_dtypes
+import numpy as np
 import onnx_ir as ir
 
 from amp_rewrite.core import GroupInfo, LowDtype, Precision, PrecisionGraph
@@ -38,6 +40,10 @@ class OnnxView:
     # bodies' inputs and outputs are no sources or sinks, the tie carries them.
     ties: dict[tuple, tuple[ir.Node, Tie]] = field(default_factory=dict)
     tied_bodies: set[int] = field(default_factory=set)  # id() of ir.Graph
+    # Constants the low dtype cannot hold -> why (their readers run high; no clamp).
+    wide_values: dict[ir.Value, str] = field(default_factory=dict)
+    clamp_constants: bool = False
+    opsets: dict[str, int] = field(default_factory=dict)  # the model's opset imports
 
 
 def value_nbytes(value: ir.Value, inferred: dict[str, int | None]) -> int | None:
@@ -52,12 +58,16 @@ def value_nbytes(value: ir.Value, inferred: dict[str, int | None]) -> int | None
 
 
 def build_view(model: ir.Model, low: LowDtype, *, keep_io_types: bool = True,
-               graphs: list[ir.Graph] | None = None) -> OnnxView:
-    """The precision view of ``model``; ``graphs``: ``walk_graphs(model.graph)`` if given."""
+               graphs: list[ir.Graph] | None = None, clamp_constants: bool = False) -> OnnxView:
+    """The precision view of ``model``; ``graphs``: ``walk_graphs(model.graph)`` if given.
+
+    ``clamp_constants``: constants beyond the low dtype's range may be stored clamped (the
+    old behaviour, on request only); by default they stay fp32 and so do their readers.
+    """
     graphs = list(walk_graphs(model.graph)) if graphs is None else graphs
-    view = OnnxView(PrecisionGraph(), low, graphs)
+    view = OnnxView(PrecisionGraph(), low, graphs, clamp_constants=clamp_constants)
     low_ir = to_ir_dtype(low)
-    opsets = dict(model.opset_imports)
+    opsets = view.opsets = dict(model.opset_imports)
     inferred = model.meta.get(INFERRED_SIZES, {})
     for g in graphs:
         _add_values(view, g, low_ir, inferred)
@@ -94,8 +104,11 @@ def _add_sources(view: OnnxView, g: ir.Graph, low_ir: ir.DataType, is_main: bool
             _source(view, g, v, None, _current(v, low_ir) if keep else None, reason)
     for v in g.initializers.values():
         if is_candidate(v, low_ir) and v not in g.inputs:
-            fixed = Precision.LOW if v.dtype == low_ir else None
-            _source(view, g, v, None, fixed, "initializer already low in the model")
+            if v.dtype == low_ir:
+                _source(view, g, v, None, Precision.LOW, "initializer already low in the model")
+                continue
+            wide = _wide(view, v, v.const_value)
+            _source(view, g, v, None, Precision.HIGH if wide else None, wide or "")
 
 
 def _source(view, g, v, node, fixed, reason) -> None:
@@ -189,7 +202,59 @@ def _add_constant(view: OnnxView, node: ir.Node, low_ir: ir.DataType) -> None:
         return
     convertible = "value" in node.attributes and out.dtype == ir.DataType.FLOAT
     fixed = None if convertible else _current(out, low_ir)
+    reason = "" if convertible else "Constant form kept as is"
+    wide = _wide(view, out, node.attributes["value"].value) if convertible else None
+    if wide:
+        fixed, reason = Precision.HIGH, wide
     key = ("source", out)
     view.sources[key] = (node.graph, out, node)
     view.graph.add_source(key, out, name=node.name or out.name or "", fixed=fixed,
-                          reason="" if convertible else "Constant form kept as is")
+                          reason=reason)
+
+
+def _wide(view: OnnxView, value: ir.Value, tensor) -> str | None:
+    """Why the low dtype cannot hold this float32 constant (recorded), or None."""
+    if view.clamp_constants or tensor is None:
+        return None
+    problem = range_problem(tensor.numpy(), view.low)
+    if problem is None:
+        return None
+    why = f"{value.name or 'a constant'} ({problem})"
+    view.wide_values[value] = why
+    return f"{problem}: kept fp32 with its readers (no clamp)"
+
+
+# A value this far below the tensor's largest is under its rounding error in any sum or
+# product with it (about fp16's mantissa): flushing it changes nothing that matters.
+_SIGNIFICANT = 2.0 ** -10
+_MAX_UNDERFLOW_ERROR = 0.125  # relative error of a deep subnormal that counts as lost
+
+
+def range_problem(array: np.ndarray, low: LowDtype) -> str | None:
+    """Why ``array`` (float32) does not fit the low dtype, or None.
+
+    It does not fit when a finite value exceeds the dtype's range (it would be clamped or
+    become Inf) or when values significant within the tensor (within 2**-10 of its largest)
+    fall so deep into the subnormals that converting loses more than 1/8 of them.
+    """
+    if array.dtype != np.float32 or array.size == 0:
+        return None
+    info = ml_dtypes.finfo(np.float16 if low is LowDtype.FLOAT16 else ml_dtypes.bfloat16)
+    name = low.value
+    magnitude = np.abs(array)
+    top = float(magnitude.max())
+    if not np.isfinite(top):
+        finite = magnitude[np.isfinite(magnitude)]
+        top = float(finite.max()) if finite.size else 0.0
+    if top > float(info.max):
+        return f"values up to {top:.3g}, beyond {name}'s ±{float(info.max):.6g}"
+    floor = top * _SIGNIFICANT
+    if top == 0.0 or floor >= 4 * float(info.smallest_subnormal):
+        return None  # every significant value converts within 1/8 of itself
+    significant = array[(magnitude >= floor) & (magnitude > 0)]
+    back = significant.astype(info.dtype).astype(np.float32)
+    lost = np.abs(back - significant) > _MAX_UNDERFLOW_ERROR * np.abs(significant)
+    if not lost.any():
+        return None
+    return (f"{int(lost.sum())} significant values as small as "
+            f"{float(np.abs(significant[lost]).min()):.3g} underflow {name}")

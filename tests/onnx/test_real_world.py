@@ -144,3 +144,105 @@ def test_ir14_from_make_model_is_written_at_the_lowest_ir_ort_loads(tmp_path, dt
         1e-2 if dtype == "fp16" else 5e-2)
     if dtype == "fp16":  # ORT-CPU has no bf16 MatMul kernel
         assert rel_error(ort_run(fp32, feeds)[0], ort_run(mixed, feeds)[0]) < 1e-2
+
+
+# --- constants beyond the low dtype's range ---------------------------------------------
+
+def conv_bn_model(variance: np.ndarray, rng, opset: int = 17) -> onnx.ModelProto:
+    """Conv -> BatchNormalization -> Relu -> Conv, with BatchNorm statistics like a trained
+    detection backbone's: running variance 1e7-1e8 (activations of ~1e4 before the norm)."""
+    from onnx import TensorProto as T
+    from onnx import helper as h
+
+    c = variance.size
+    arrays = {
+        "w1": rng.standard_normal((c, 3, 3, 3)).astype(np.float32) * 1500,
+        "scale": rng.uniform(0.5, 1.5, c).astype(np.float32),
+        "bias": rng.uniform(-0.5, 0.5, c).astype(np.float32),
+        "mean": rng.uniform(-500, 500, c).astype(np.float32),
+        "var": variance.astype(np.float32),
+        "w2": rng.standard_normal((4, c, 3, 3)).astype(np.float32) * 0.1,
+    }
+    inits = [onnx.numpy_helper.from_array(a, n) for n, a in arrays.items()]
+    nodes = [h.make_node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]),
+             h.make_node("BatchNormalization", ["c1", "scale", "bias", "mean", "var"], ["bn"],
+                         name="bn"),
+             h.make_node("Relu", ["bn"], ["r"]),
+             h.make_node("Conv", ["r", "w2"], ["y"], pads=[1, 1, 1, 1])]
+    graph = h.make_graph(nodes, "detector", [h.make_tensor_value_info("x", T.FLOAT, [1, 3, 16, 16])],
+                         [h.make_tensor_value_info("y", T.FLOAT, [1, 4, 16, 16])], inits)
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", opset)])
+    model.ir_version = 8
+    return model
+
+
+def test_batchnorm_variance_beyond_fp16_range_keeps_bn_fp32_not_clamped(rng):
+    from amp_rewrite.onnx import rewrite_onnx_model
+
+    fp32 = conv_bn_model(10 ** rng.uniform(7, 8, 8), rng)
+    feeds = {"x": rng.standard_normal((1, 3, 16, 16)).astype(np.float32)}
+    (expected,) = ort_run(fp32, feeds)
+    result = rewrite_onnx_model(fp32)
+    mixed = result.proto()
+    report = result.report
+    assert report["values_clamped"] == 0
+    assert any(k.startswith("var (values up to") for k in report["constants_kept_fp32"])
+    assert "reads var" in " ".join(result.explain("bn"))  # the reason, for --explain
+    assert [n.op_type for n in mixed.graph.node].count("Conv") == 2
+    var = next(i for i in mixed.graph.initializer if i.name == "var")
+    assert var.data_type == onnx.TensorProto.FLOAT
+    for got in (ort_run(mixed, feeds)[0], ReferenceEvaluator(mixed).run(None, feeds)[0]):
+        assert rel_error(expected, got) < 1e-2
+    # The explicit option still clamps, and that is what made the output useless.
+    clamped = rewrite_onnx(fp32, clamp_constants=True)
+    assert rel_error(expected, ReferenceEvaluator(clamped).run(None, feeds)[0]) > 0.5
+
+
+def test_constants_whose_significant_values_underflow_fp16_keep_readers_fp32(rng):
+    from onnx import TensorProto as T
+    from onnx import helper as h
+
+    # A weight trained (or folded) to ~1e-8: fp16 flushes every entry to zero.
+    w = (rng.standard_normal((8, 8)) * 1e-8).astype(np.float32)
+    graph = h.make_graph(
+        [h.make_node("MatMul", ["x", "w"], ["y"], name="tiny")], "g",
+        [h.make_tensor_value_info("x", T.FLOAT, [2, 8])],
+        [h.make_tensor_value_info("y", T.FLOAT, [2, 8])], [onnx.numpy_helper.from_array(w, "w")])
+    fp32 = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
+    fp32.ir_version = 8
+    feeds = {"x": rng.standard_normal((2, 8)).astype(np.float32)}
+    mixed = rewrite_onnx(fp32)
+    assert [n.op_type for n in mixed.graph.node] == ["MatMul"]  # kept fp32: nothing to cast
+    (expected,) = ort_run(fp32, feeds)
+    assert rel_error(expected, ReferenceEvaluator(mixed).run(None, feeds)[0]) < 1e-3
+    flushed = rewrite_onnx(fp32, clamp_constants=True)  # the old conversion: all zeros
+    assert np.abs(ReferenceEvaluator(flushed).run(None, feeds)[0]).max() == 0
+
+
+# --- bf16 on opsets that do not admit it ------------------------------------------------
+
+def test_bf16_on_opset13_says_rerun_with_opset22_and_opset_option_converts(rng, tmp_path,
+                                                                          capsys):
+    from amp_rewrite.cli import main
+    from amp_rewrite.onnx import rewrite_onnx_model
+
+    fp32 = conv_bn_model(rng.uniform(0.5, 2, 8), rng, opset=13)
+    for init in fp32.graph.initializer:  # ordinary magnitudes: bf16 is the only question
+        a = onnx.numpy_helper.to_array(init)
+        init.CopyFrom(onnx.numpy_helper.from_array(a / np.abs(a).max(), init.name))
+    feeds = {"x": rng.standard_normal((1, 3, 16, 16)).astype(np.float32)}
+    (expected,) = ort_run(fp32, feeds)
+    unchanged = rewrite_onnx_model(fp32, dtype="bf16")
+    assert unchanged.report["modified"] is False  # Conv and BatchNorm admit no bf16 at 13
+    assert "re-run with --opset 22" in unchanged.report["opset_advice"]
+    src = tmp_path / "m.onnx"
+    onnx.save(fp32, src)
+    assert main([str(src), "--dtype", "bf16"]) == 0
+    assert "re-run with --opset 22" in capsys.readouterr().out  # the summary says so
+    converted = rewrite_onnx_model(fp32, dtype="bf16", opset=22)
+    mixed = converted.proto()
+    assert converted.report["opset_advice"] is None
+    assert mixed.opset_import[0].version == 22 and mixed.ir_version == 10
+    assert {n.op_type for n in mixed.graph.node} >= {"Conv", "BatchNormalization", "Cast"}
+    assert all(i.data_type == onnx.TensorProto.BFLOAT16 for i in mixed.graph.initializer)
+    assert rel_error(expected, ReferenceEvaluator(mixed).run(None, feeds)[0]) < 5e-2
