@@ -60,14 +60,27 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=self.stats.modified)
 
     def _pins(self) -> dict:
-        """Producers of values observed beyond the calibration threshold run high."""
+        """Groups that produce or read a value observed beyond the calibration threshold run
+        high: a producer run low overflows, and a reader run low reads the value through a
+        Cast to the low dtype, which overflows just the same (the down-projection reading a
+        hot FFN intermediate was the case calibration missed)."""
+        hot = self.options.pinned_values
+        if not hot:
+            return {}
         pins = {}
-        for key, (node, pg) in self.view.groups.items():
-            for o in pg.outputs:
-                name = node.outputs[o].name
-                if name in self.options.pinned_values:
-                    pins[key] = (f"calibration saw |{name}| up to "
-                                 f"{self.options.pinned_values[name]:.4g}: kept fp32")
+        groups = [(k, node.outputs, pg.outputs, node.inputs, pg.inputs)
+                  for k, (node, pg) in self.view.groups.items()]
+        groups += [(k, node.outputs, tie.outputs, node.inputs, tie.inputs)
+                   for k, (node, tie) in self.view.ties.items()]
+        for key, outputs, out_ports, inputs, in_ports in groups:
+            why = _hot_port(hot, outputs, out_ports, "its output") or _hot_port(
+                hot, inputs, in_ports, "its input")
+            if why:
+                pins[key] = f"calibration saw {why}: kept fp32"
+        for key, (g, index) in self.view.sinks.items():
+            name = g.outputs[index].name
+            if name in hot:
+                pins[key] = f"calibration saw |{name}| up to {hot[name]:.4g}: output kept fp32"
         return pins
 
     def report(self) -> dict:
@@ -131,6 +144,14 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
 
         keys = [g.key for g in self.view.graph.groups() if g.name == node_name]
         return [line for k in keys for line in explain_chain(self.plan, self.view.graph, k)]
+
+
+def _hot_port(hot: Mapping[str, float], values, ports, role: str) -> str | None:
+    for i in ports:
+        name = values[i].name
+        if name in hot:
+            return f"|{name}| up to {hot[name]:.4g} ({role})"
+    return None
 
 
 def infer_missing_types(model: ir.Model, graphs: list[ir.Graph] | None = None) -> None:
