@@ -69,8 +69,9 @@ def build_view(model: ir.Model, low: LowDtype, *, keep_io_types: bool = True,
     low_ir = to_ir_dtype(low)
     opsets = view.opsets = dict(model.opset_imports)
     inferred = model.meta.get(INFERRED_SIZES, {})
+    sizes = _if_output_sizes(graphs, inferred)
     for g in graphs:
-        _add_values(view, g, low_ir, inferred)
+        _add_values(view, g, low_ir, inferred, sizes)
     for g in graphs:
         is_main = g is model.graph
         _add_sources(view, g, low_ir, is_main, keep_io_types)
@@ -81,12 +82,32 @@ def build_view(model: ir.Model, low: LowDtype, *, keep_io_types: bool = True,
 
 
 def _add_values(view: OnnxView, g: ir.Graph, low_ir: ir.DataType,
-                inferred: dict[str, int | None]) -> None:
+                inferred: dict[str, int | None], sizes: dict[ir.Value, int]) -> None:
     values = [*g.inputs, *g.initializers.values()]
     values += [v for node in g for v in node.outputs]
     for v in values:
         if is_candidate(v, low_ir) and not view.graph.has_value(v):
-            view.graph.add_value(v, name=v.name or "", nbytes=value_nbytes(v, inferred))
+            nbytes = value_nbytes(v, inferred)
+            view.graph.add_value(v, name=v.name or "",
+                                 nbytes=nbytes if nbytes is not None else sizes.get(v))
+
+
+def _if_output_sizes(graphs: list[ir.Graph], inferred) -> dict[ir.Value, int]:
+    """Sizes for If outputs and branch outputs that shape inference left unknown, from the
+    other side of the If: they are one tensor. Without them a branch output costs one unit
+    against the If output's real size, and the cut casts inside every branch."""
+    sizes: dict[ir.Value, int] = {}
+    for g in graphs:
+        for node in g:
+            if node.op_type != "If" or node.domain != "":
+                continue
+            branches = body_graphs(node)
+            for i, out in enumerate(node.outputs):
+                members = [out, *(b.outputs[i] for b in branches if i < len(b.outputs))]
+                known = [n for n in (value_nbytes(v, inferred) for v in members) if n]
+                if known:
+                    sizes.update({v: max(known) for v in members})
+    return sizes
 
 
 def _current(value: ir.Value, low_ir: ir.DataType) -> Precision:
