@@ -113,6 +113,8 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
         from amp_rewrite.core import OpClass
         from amp_rewrite.onnx.ports import first_opset_admitting
 
+        if not any(pg.opset_limited for _, pg in self.view.groups.values()):
+            return None
         compute = limited = 0
         ops: dict[tuple[str, str], int] = {}
         for node, pg in self.view.groups.values():

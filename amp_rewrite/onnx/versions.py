@@ -60,6 +60,8 @@ def lowest_ir_version(model: ir.Model) -> int:
         by_opset = onnx.helper.find_min_ir_version_for(opsets, ignore_unknown=True)
     except ValueError:  # an ai.onnx opset newer than this onnx knows
         return own
+    if own <= max(by_opset, SAFE_FLOOR):
+        return max(own, by_opset)  # nothing to lower: skip the scan of every value's dtype
     by_dtype = dtype_ir_version(_model_dtypes(model))
     if by_dtype is None:
         return own

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import ml_dtypes
 import numpy as np
+import onnx
 import onnx_ir as ir
 
 from amp_rewrite.core import GroupInfo, LowDtype, Precision, PrecisionGraph
@@ -43,6 +44,7 @@ class OnnxView:
     # Constants the low dtype cannot hold -> why (their readers run high; no clamp).
     wide_values: dict[ir.Value, str] = field(default_factory=dict)
     clamp_constants: bool = False
+    range_problems: dict[ir.Value, str] = field(default_factory=dict)  # see _range_problems
     opsets: dict[str, int] = field(default_factory=dict)  # the model's opset imports
 
 
@@ -66,6 +68,8 @@ def build_view(model: ir.Model, low: LowDtype, *, keep_io_types: bool = True,
     """
     graphs = list(walk_graphs(model.graph)) if graphs is None else graphs
     view = OnnxView(PrecisionGraph(), low, graphs, clamp_constants=clamp_constants)
+    if not clamp_constants:
+        view.range_problems = _range_problems(graphs, low)
     low_ir = to_ir_dtype(low)
     opsets = view.opsets = dict(model.opset_imports)
     inferred = model.meta.get(INFERRED_SIZES, {})
@@ -97,6 +101,8 @@ def _if_output_sizes(graphs: list[ir.Graph], inferred) -> dict[ir.Value, int]:
     other side of the If: they are one tensor. Without them a branch output costs one unit
     against the If output's real size, and the cut casts inside every branch."""
     sizes: dict[ir.Value, int] = {}
+    if len(graphs) == 1:
+        return sizes  # an If always brings its branches along
     for g in graphs:
         for node in g:
             if node.op_type != "If" or node.domain != "":
@@ -235,20 +241,81 @@ def _add_constant(view: OnnxView, node: ir.Node, low_ir: ir.DataType) -> None:
 
 def _wide(view: OnnxView, value: ir.Value, tensor) -> str | None:
     """Why the low dtype cannot hold this float32 constant (recorded), or None."""
-    if view.clamp_constants or tensor is None:
-        return None
-    problem = range_problem(tensor.numpy(), view.low)
+    problem = view.range_problems.get(value)
     if problem is None:
         return None
-    why = f"{value.name or 'a constant'} ({problem})"
-    view.wide_values[value] = why
+    view.wide_values[value] = f"{value.name or 'a constant'} ({problem})"
     return f"{problem}: kept fp32 with its readers (no clamp)"
+
+
+def _range_problems(graphs: list[ir.Graph], low: LowDtype) -> dict[ir.Value, str]:
+    """``range_problem`` of every float32 initializer and ``Constant(value=...)``.
+
+    Small tensors stored as raw bytes (biases, norm weights, most weights of a long chain)
+    are screened together: one max|x| per tensor over their joined bytes, the full check
+    only for the few that come near a limit. One numpy call per tensor cost 1.3 s at 33k
+    initializers.
+    """
+    batch: list[tuple[ir.Value, bytes]] = []
+    problems: dict[ir.Value, str] = {}
+    for value, tensor in _float_constants(graphs):
+        raw = _small_raw_bytes(tensor)
+        if raw is not None:
+            batch.append((value, raw))
+            continue
+        try:
+            array = tensor.numpy()
+        except Exception:  # malformed data: left to the conversion to report, as before
+            continue
+        problem = range_problem(array, low)
+        if problem:
+            problems[value] = problem
+    if batch:
+        flat = np.frombuffer(b"".join(raw for _, raw in batch), "<f4")
+        sizes = np.fromiter((len(raw) // 4 for _, raw in batch), np.int64, len(batch))
+        starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+        tops = np.maximum.reduceat(np.abs(flat), starts)
+        limit, tiny = _LIMITS[low]
+        fits = (tops <= limit) & ((tops == 0) | (tops * _SIGNIFICANT >= 4 * tiny))  # NaN: no
+        for i in np.flatnonzero(~fits):
+            value, raw = batch[i]
+            problem = range_problem(np.frombuffer(raw, "<f4"), low)
+            if problem:
+                problems[value] = problem
+    return problems
+
+
+def _float_constants(graphs: list[ir.Graph]):
+    for g in graphs:
+        for v in g.initializers.values():
+            if v.dtype == ir.DataType.FLOAT and v.const_value is not None:
+                yield v, v.const_value
+        for node in g:
+            if node.op_type == "Constant" and node.domain == "" and "value" in node.attributes:
+                out = node.outputs[0]
+                if out.dtype == ir.DataType.FLOAT:
+                    yield out, node.attributes["value"].value
+
+
+def _small_raw_bytes(tensor) -> bytes | None:
+    """The little-endian float32 bytes of a small tensor stored as a TensorProto, or None."""
+    if not isinstance(tensor, ir.serde.TensorProtoTensor):
+        return None
+    proto = tensor.raw
+    raw = proto.raw_data
+    if (not raw or len(raw) % 4 or len(raw) > 1 << 16
+            or proto.data_location == onnx.TensorProto.EXTERNAL):
+        return None
+    return raw
 
 
 # A value this far below the tensor's largest is under its rounding error in any sum or
 # product with it (about fp16's mantissa): flushing it changes nothing that matters.
 _SIGNIFICANT = 2.0 ** -10
 _MAX_UNDERFLOW_ERROR = 0.125  # relative error of a deep subnormal that counts as lost
+_LIMITS = {low: (float(info.max), float(info.smallest_subnormal)) for low, info in (
+    (LowDtype.FLOAT16, ml_dtypes.finfo(np.float16)),
+    (LowDtype.BFLOAT16, ml_dtypes.finfo(ml_dtypes.bfloat16)))}
 
 
 def range_problem(array: np.ndarray, low: LowDtype) -> str | None:
@@ -260,18 +327,20 @@ def range_problem(array: np.ndarray, low: LowDtype) -> str | None:
     """
     if array.dtype != np.float32 or array.size == 0:
         return None
+    limit, tiny = _LIMITS[low]
+    top = max(float(array.max()), -float(array.min()))  # no |x| copy: 25k weights add up
+    if not np.isfinite(top):  # Inf or NaN somewhere: the largest finite magnitude
+        magnitude = np.abs(array)
+        finite = magnitude[np.isfinite(magnitude)]
+        top = float(finite.max()) if finite.size else 0.0
+    if top > limit:
+        return f"values up to {top:.3g}, beyond {low.value}'s ±{limit:.6g}"
+    if top == 0.0 or top * _SIGNIFICANT >= 4 * tiny:
+        return None  # every significant value converts within 1/8 of itself
     info = ml_dtypes.finfo(np.float16 if low is LowDtype.FLOAT16 else ml_dtypes.bfloat16)
     name = low.value
     magnitude = np.abs(array)
-    top = float(magnitude.max())
-    if not np.isfinite(top):
-        finite = magnitude[np.isfinite(magnitude)]
-        top = float(finite.max()) if finite.size else 0.0
-    if top > float(info.max):
-        return f"values up to {top:.3g}, beyond {name}'s ±{float(info.max):.6g}"
     floor = top * _SIGNIFICANT
-    if top == 0.0 or floor >= 4 * float(info.smallest_subnormal):
-        return None  # every significant value converts within 1/8 of itself
     significant = array[(magnitude >= floor) & (magnitude > 0)]
     back = significant.astype(info.dtype).astype(np.float32)
     lost = np.abs(back - significant) > _MAX_UNDERFLOW_ERROR * np.abs(significant)

@@ -283,7 +283,7 @@ def count_casts(graph: onnx.GraphProto) -> int:
 
 def test_if_heavy_vad_model_casts_across_branch_boundaries():
     from amp_rewrite.bench.control_flow import vad_feeds, vad_like_model
-    from amp_rewrite.onnx import validate
+    from amp_rewrite.onnx import rewrite_onnx_model, validate
 
     fp32 = vad_like_model()
     mixed = rewrite_onnx(fp32)
@@ -293,6 +293,7 @@ def test_if_heavy_vad_model_casts_across_branch_boundaries():
     top_if = next(n for n in mixed.graph.node if n.op_type == "If")
     then = next(a.g for a in top_if.attribute if a.name == "then_branch")
     assert {o.type.tensor_type.elem_type for o in then.output} == {onnx.TensorProto.FLOAT16}
+    assert rewrite_onnx_model(mixed).report["modified"] is False  # a second run: no change
     for sr in (16000, 8000):  # both branches
         feeds = vad_feeds(sr)
         expected = validate.run(fp32, feeds)
