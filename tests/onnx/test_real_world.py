@@ -344,3 +344,22 @@ def test_loop_carried_values_and_scan_state_are_retyped_consistently(rng):
     for got in (ort_run(mixed, feeds), ReferenceEvaluator(mixed).run(None, feeds)):
         for e, g in zip(expected, got):
             assert rel_error(e, g) < 1e-2
+
+
+def test_cli_opset_and_clamp_constants_flags(rng, tmp_path):
+    import json
+
+    from amp_rewrite.cli import main
+
+    src, out, report = tmp_path / "m.onnx", tmp_path / "o.onnx", tmp_path / "r.json"
+    onnx.save(conv_bn_model(10 ** rng.uniform(7, 8, 8), rng, opset=13), src)
+    assert main([str(src), "-o", str(out), "--report", str(report), "-q"]) == 0
+    assert json.loads(report.read_text())["values_clamped"] == 0  # default: no clamp
+    assert main([str(src), "-o", str(out), "--report", str(report), "-q", "--clamp-constants",
+                 "--opset", "22", "--dtype", "bf16"]) == 0
+    assert onnx.load(out).opset_import[0].version == 22
+    # bf16 holds 1e8, so nothing is clamped even when asked; fp16 clamps the variance
+    assert json.loads(report.read_text())["values_clamped"] == 0
+    assert main([str(src), "-o", str(out), "--report", str(report), "-q",
+                 "--clamp-constants"]) == 0
+    assert json.loads(report.read_text())["values_clamped"] == 8
