@@ -169,7 +169,8 @@ def conv_bn_model(variance: np.ndarray, rng, opset: int = 17) -> onnx.ModelProto
                          name="bn"),
              h.make_node("Relu", ["bn"], ["r"]),
              h.make_node("Conv", ["r", "w2"], ["y"], pads=[1, 1, 1, 1])]
-    graph = h.make_graph(nodes, "detector", [h.make_tensor_value_info("x", T.FLOAT, [1, 3, 16, 16])],
+    graph = h.make_graph(nodes, "detector",
+                         [h.make_tensor_value_info("x", T.FLOAT, [1, 3, 16, 16])],
                          [h.make_tensor_value_info("y", T.FLOAT, [1, 4, 16, 16])], inits)
     model = h.make_model(graph, opset_imports=[h.make_opsetid("", opset)])
     model.ir_version = 8
@@ -309,25 +310,31 @@ def test_loop_carried_values_and_scan_state_are_retyped_consistently(rng):
     # Loop: acc = acc @ w + x, three times; Scan: running sum of rows through MatMul.
     w = onnx.numpy_helper.from_array((rng.standard_normal((8, 8)) * 0.3).astype(np.float32), "w")
     body = h.make_graph(
-        [h.make_node("MatMul", ["acc_in", "w"], ["mm"]), h.make_node("Add", ["mm", "x"], ["acc_out"]),
+        [h.make_node("MatMul", ["acc_in", "w"], ["mm"]),
+         h.make_node("Add", ["mm", "x"], ["acc_out"]),
          h.make_node("Identity", ["cond_in"], ["cond_out"])], "loop_body",
-        [h.make_tensor_value_info("i", T.INT64, []), h.make_tensor_value_info("cond_in", T.BOOL, []),
+        [h.make_tensor_value_info("i", T.INT64, []),
+         h.make_tensor_value_info("cond_in", T.BOOL, []),
          h.make_tensor_value_info("acc_in", T.FLOAT, [2, 8])],
         [h.make_tensor_value_info("cond_out", T.BOOL, []),
          h.make_tensor_value_info("acc_out", T.FLOAT, [2, 8])])
     scan_body = h.make_graph(
         [h.make_node("MatMul", ["row", "w"], ["rw"]), h.make_node("Add", ["s_in", "rw"], ["s_out"]),
          h.make_node("Identity", ["s_out"], ["emit"])], "scan_body",
-        [h.make_tensor_value_info("s_in", T.FLOAT, [8]), h.make_tensor_value_info("row", T.FLOAT, [8])],
-        [h.make_tensor_value_info("s_out", T.FLOAT, [8]), h.make_tensor_value_info("emit", T.FLOAT, [8])])
+        [h.make_tensor_value_info("s_in", T.FLOAT, [8]),
+         h.make_tensor_value_info("row", T.FLOAT, [8])],
+        [h.make_tensor_value_info("s_out", T.FLOAT, [8]),
+         h.make_tensor_value_info("emit", T.FLOAT, [8])])
     graph = h.make_graph(
         # An explicit condition: onnx.reference mis-runs a Loop whose condition is omitted.
         [h.make_node("Loop", ["n", "c", "x"], ["acc"], body=body),
          h.make_node("ReduceSum", ["acc", "axis0"], ["s0"], keepdims=0),
          h.make_node("Scan", ["s0", "acc"], ["s", "rows"], body=scan_body, num_scan_inputs=1),
          h.make_node("MatMul", ["rows", "w"], ["y"])], "g",
-        [h.make_tensor_value_info("x", T.FLOAT, [2, 8]), h.make_tensor_value_info("n", T.INT64, [])],
-        [h.make_tensor_value_info("y", T.FLOAT, [2, 8]), h.make_tensor_value_info("s", T.FLOAT, [8])],
+        [h.make_tensor_value_info("x", T.FLOAT, [2, 8]),
+         h.make_tensor_value_info("n", T.INT64, [])],
+        [h.make_tensor_value_info("y", T.FLOAT, [2, 8]),
+         h.make_tensor_value_info("s", T.FLOAT, [8])],
         [w, onnx.numpy_helper.from_array(np.array([0], np.int64), "axis0"),
          onnx.numpy_helper.from_array(np.array(True), "c")])
     fp32 = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
@@ -338,7 +345,8 @@ def test_loop_carried_values_and_scan_state_are_retyped_consistently(rng):
     loop = next(n for n in mixed.graph.node if n.op_type == "Loop")
     loop_body = loop.attribute[0].g
     # The carried value is one dtype at the Loop input, body input, body output and output.
-    assert loop_body.input[2].type.tensor_type.elem_type == loop_body.output[1].type.tensor_type.elem_type
+    carried = (loop_body.input[2], loop_body.output[1])
+    assert len({v.type.tensor_type.elem_type for v in carried}) == 1
     feeds = {"x": rng.standard_normal((2, 8)).astype(np.float32), "n": np.array(3, np.int64)}
     expected = ort_run(fp32, feeds)
     for got in (ort_run(mixed, feeds), ReferenceEvaluator(mixed).run(None, feeds)):
