@@ -84,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--savings-weight", type=float, default=0.0, metavar="BETA",
                    help="price of a byte of traffic saved vs a byte cast: 0 (default) gives "
                    "the fewest cast bytes; 1 also runs ops low whose savings pay their casts")
+    p.add_argument("--opset", type=int, metavar="N",
+                   help="convert to ai.onnx opset N first (bf16 Conv/BatchNorm/LSTM need 22)")
+    p.add_argument("--clamp-constants", action="store_true",
+                   help="store constants beyond the low dtype's range clamped (default: keep "
+                        "them and their readers fp32)")
     p.add_argument("--validate", action="store_true",
                    help="compare FP32 and rewritten outputs in onnxruntime on the --calibrate "
                    "data or seeded random inputs (exit 4 on failure)")
@@ -223,7 +228,8 @@ def _load_and_rewrite(args, paths: _RunPaths, stages):
                                   rules=args.rules, keep_fp32=args.keep_fp32,
                                   calibration_data=args.calibrate,
                                   calibration_threshold=args.threshold,
-                                  savings_weight=args.savings_weight)
+                                  savings_weight=args.savings_weight,
+                                  clamp_constants=args.clamp_constants, opset=args.opset)
 
 
 @contextlib.contextmanager
@@ -361,6 +367,10 @@ def _print_summary(r: dict, args) -> None:
         threshold = args.threshold if args.threshold is not None else _default_threshold(args)
         rows.insert(3, ("pinned by calibration", f"{len(r['pinned_by_calibration'])} values "
                                                  f"above {threshold:g} (kept fp32)"))
+    if r.get("constants_kept_fp32"):
+        rows.insert(5, ("constants kept fp32 (range)", len(r["constants_kept_fp32"])))
+    if r.get("opset_advice"):
+        rows.insert(2, ("note", r["opset_advice"]))
     if not r["modified"]:
         rows.insert(2, ("note", _nothing_to_change(counts)))
     width = max(len(k) for k, _ in rows)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections import deque
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Mapping
 from typing import NamedTuple
 
 from amp_rewrite.core.graph import PrecisionGraph
@@ -105,3 +105,30 @@ def _propagated_fix(graph: PrecisionGraph, cause: Hashable, origin: Hashable) ->
     return Fix(Precision.HIGH,
                f"downstream of deny op {src.name} ({src.op_key}) through gray/clear ops: "
                "its output stays fp32 until an allow op", cause)
+
+
+def range_fixes(graph: PrecisionGraph, classes: dict[Hashable, OpClass],
+                wide_values: Mapping[Hashable, str]) -> dict[Hashable, Fix]:
+    """Readers of values the low dtype cannot hold (beyond its range, or significant values
+    that underflow it) run high, instead of reading them clamped or flushed to zero.
+
+    A clear reader (reshape, transpose, ...) passes the values on unchanged, so its readers
+    run high too. Groups the adapter fixed (I/O kept, dtype already in the model) keep
+    their fix; rule classes and user pins give way: no rule makes a clamp harmless.
+    """
+    fixes: dict[Hashable, Fix] = {}
+    queue = deque((v, why, graph.producer(v)) for v, why in wide_values.items())
+    seen = set(wide_values)
+    while queue:
+        value, why, cause = queue.popleft()
+        for reader in graph.consumers(value):
+            if reader in fixes or graph.group(reader).fixed is not None:
+                continue
+            fixes[reader] = Fix(Precision.HIGH, f"reads {why}: runs fp32 rather than clamp",
+                                cause)
+            if classes[reader] is OpClass.CLEAR:
+                for out in graph.outputs(reader):
+                    if out not in seen:
+                        seen.add(out)
+                        queue.append((out, why, reader))
+    return fixes

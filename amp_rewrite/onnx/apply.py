@@ -115,6 +115,12 @@ def _retype_groups(view: OnnxView, plan: PrecisionPlan, low_ir, stats: ApplyStat
         if pg.retype_attribute:
             _set_type_attribute(node, pg.retype_attribute, target)
         stats.nodes_retyped += 1
+    for key, (node, tie) in view.ties.items():
+        target = _dtype(plan.decisions[key].precision, low_ir)
+        changed = [v for v in tie.writes(node) if v.dtype != target]
+        for value in changed:
+            value.dtype = target
+        stats.nodes_retyped += bool(changed)
 
 
 def _attribute_differs(node: ir.Node, pg, target: ir.DataType) -> bool:
@@ -274,8 +280,8 @@ def _cast_node(value: ir.Value, target: ir.DataType, namer: _Namer, cast: CastPl
     producer = value.producer()
     if producer is not None:
         producer.graph.insert_after(producer, node)
-    else:
-        g = source[0]
+    else:  # a graph input, initializer or a control-flow body's input
+        g = source[0] if source is not None else value.graph
         g.insert_before(g[0], node) if len(g) else g.append(node)
     return out
 
@@ -286,10 +292,23 @@ def _rewire(view: OnnxView, consumers: tuple[Hashable, ...], old: ir.Value, new:
         if key in view.sinks:
             _rewire_output(view.sinks[key], old, new, namer)
             continue
+        if key in view.ties:
+            _rewire_tie(*view.ties[key], old, new)
+            continue
         node, pg = view.groups[key]
         for i in pg.inputs:
             if node.inputs[i] is old:
                 node.replace_input_with(i, new)
+
+
+def _rewire_tie(node: ir.Node, tie, old: ir.Value, new: ir.Value) -> None:
+    """A control-flow node's input, or a body's output, reads the cast value instead."""
+    for i in tie.inputs:
+        if node.inputs[i] is old:
+            node.replace_input_with(i, new)
+    for g, k in tie.body_outputs:
+        if g.outputs[k] is old:
+            g.outputs[k] = new
 
 
 def _rewire_output(sink, old: ir.Value, new: ir.Value, namer: _Namer) -> None:

@@ -60,7 +60,7 @@ def load_model(source: str | os.PathLike | onnx.ModelProto | bytes | ir.Model) -
     if isinstance(source, bytes):
         source = _parse_bytes(source)
     if isinstance(source, onnx.ModelProto):
-        _check_input(source, "<ModelProto>")
+        source = _checked_or_repaired(source, "<ModelProto>")
         _check_tensors(source, "<ModelProto>", None)
         proto = _inline_local_functions(source, "<ModelProto>")
         return _from_proto(proto, "<ModelProto>")
@@ -73,7 +73,7 @@ def load_model(source: str | os.PathLike | onnx.ModelProto | bytes | ir.Model) -
     if not proto.graph.node and not proto.graph.input and not proto.graph.output:
         raise ModelError(f"{path}: not an ONNX model (no graph found); is it truncated?")
     external = _check_tensors(proto, str(path), path)
-    _check_input(path if external else proto, str(path))
+    proto = _checked_or_repaired(proto, str(path), path if external else None)
     proto = _inline_local_functions(proto, str(path))
     model = _from_proto(proto, str(path))
     ir.external_data.set_base_dir(model.graph, path.parent)
@@ -395,6 +395,23 @@ def _type_fact(tp: onnx.TypeProto) -> TensorFact | None:
         return ir.DataType(t.elem_type), None
     dims = [d.dim_value if d.HasField("dim_value") else SYMBOLIC_DIM_EXTENT for d in t.shape.dim]
     return ir.DataType(t.elem_type), 4 * max(1, math.prod(dims))
+
+
+def _checked_or_repaired(proto: onnx.ModelProto, label: str,
+                         path: Path | None = None) -> onnx.ModelProto:
+    """``proto`` if it passes the checker, else a copy repaired of what runtimes infer
+    anyway (``repair.fill_output_types``) if that passes; else the checker's error."""
+    try:
+        _check_input(path or proto, label)
+        return proto
+    except ModelError:
+        from amp_rewrite.onnx import repair
+
+        repaired = repair.fill_output_types(proto)
+        if repaired is None:
+            raise
+    _check_input(repaired, label)
+    return repaired
 
 
 def _check_input(model: onnx.ModelProto | Path, label: str) -> None:

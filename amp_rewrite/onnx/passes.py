@@ -36,6 +36,9 @@ class OnnxOptions:
     # value name -> observed max |x| from calibration, already above the threshold
     pinned_values: Mapping[str, float] = field(default_factory=dict)
     savings_weight: float = 0.0  # β: see amp_rewrite.core.placement.place
+    # Store constants beyond the low dtype's range clamped (and run their readers low), as
+    # before issue 17; off by default: such constants keep their readers in fp32.
+    clamp_constants: bool = False
 
 
 class MixedPrecisionPass(ir.passes.InPlacePass):
@@ -54,24 +57,39 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
         graphs = list(io.walk_graphs(model.graph))  # one walk for both steps
         infer_missing_types(model, graphs)
         self.view = build_view(model, self.options.dtype,
-                               keep_io_types=self.options.keep_io_types, graphs=graphs)
+                               keep_io_types=self.options.keep_io_types, graphs=graphs,
+                               clamp_constants=self.options.clamp_constants)
         self.plan = plan_precision(self.view.graph, self.rules,
                                    keep_fp32=self.options.keep_fp32, pins=self._pins(),
-                                   savings_weight=self.options.savings_weight)
+                                   savings_weight=self.options.savings_weight,
+                                   wide_values=self.view.wide_values)
         _warn_unmatched_patterns(self.options.keep_fp32, self.view)
         self.stats = apply_plan(model, self.view, self.plan)
         _forget_load_time_types(model)
         return ir.passes.PassResult(model, modified=self.stats.modified)
 
     def _pins(self) -> dict:
-        """Producers of values observed beyond the calibration threshold run high."""
+        """Groups that produce or read a value observed beyond the calibration threshold run
+        high: a producer run low overflows, and a reader run low reads the value through a
+        Cast to the low dtype, which overflows just the same (the down-projection reading a
+        hot FFN intermediate was the case calibration missed)."""
+        hot = self.options.pinned_values
+        if not hot:
+            return {}
         pins = {}
-        for key, (node, pg) in self.view.groups.items():
-            for o in pg.outputs:
-                name = node.outputs[o].name
-                if name in self.options.pinned_values:
-                    pins[key] = (f"calibration saw |{name}| up to "
-                                 f"{self.options.pinned_values[name]:.4g}: kept fp32")
+        groups = [(k, node.outputs, pg.outputs, node.inputs, pg.inputs)
+                  for k, (node, pg) in self.view.groups.items()]
+        groups += [(k, node.outputs, tie.outputs, node.inputs, tie.inputs)
+                   for k, (node, tie) in self.view.ties.items()]
+        for key, outputs, out_ports, inputs, in_ports in groups:
+            why = _hot_port(hot, outputs, out_ports, "its output") or _hot_port(
+                hot, inputs, in_ports, "its input")
+            if why:
+                pins[key] = f"calibration saw {why}: kept fp32"
+        for key, (g, index) in self.view.sinks.items():
+            name = g.outputs[index].name
+            if name in hot:
+                pins[key] = f"calibration saw |{name}| up to {hot[name]:.4g}: output kept fp32"
         return pins
 
     def report(self) -> dict:
@@ -91,11 +109,47 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
             "constant_copies": s.constant_copies,
             "values_clamped": s.values_clamped,
             "clamped_constants": s.clamped_constants,
+            "constants_kept_fp32": sorted(self.view.wide_values.values()),
             "unlisted_ops": unlisted_ops(records),
             "pinned_by_calibration": sorted(self.options.pinned_values),
             "inserted_casts": s.inserted_casts,
+            "opset_advice": self.opset_advice(),
             "modified": s.modified,
         }
+
+    def opset_advice(self) -> str | None:
+        """What to do when most compute stays fp32 because the model's opset does not admit
+        the low dtype (bf16 before opset 22 for Conv, BatchNormalization, LSTM, ...)."""
+        from amp_rewrite.core import OpClass
+        from amp_rewrite.onnx.ports import first_opset_admitting
+
+        if not any(pg.opset_limited for _, pg in self.view.groups.values()):
+            return None
+        compute = limited = 0
+        ops: dict[tuple[str, str], int] = {}
+        for node, pg in self.view.groups.values():
+            op_key = node.op_type if node.domain == "" else f"{node.domain}::{node.op_type}"
+            if self.rules.class_of(op_key) not in (OpClass.ALLOW, OpClass.GRAY):
+                continue
+            compute += 1
+            if pg.opset_limited:
+                limited += 1
+                ops[(node.domain, node.op_type)] = node.version or self._opset(node.domain)
+        if not compute or limited * 2 <= compute:
+            return None
+        low = self.options.dtype
+        targets = [first_opset_admitting(d, op, low, v) for (d, op), v in ops.items()]
+        names = ", ".join(sorted(op for _, op in ops))
+        current = self._opset("")
+        advice = (f"{limited} of {compute} compute ops ({names}) do not admit {low.value} at "
+                  f"opset {current}, so most compute stays fp32")
+        known = [t for t in targets if t is not None]
+        if known:
+            advice += f": re-run with --opset {max(known)} (or opset={max(known)})"
+        return advice
+
+    def _opset(self, domain: str) -> int:
+        return dict(self.view.opsets).get(domain, 1)
 
     def explain(self, node_name: str) -> list[str]:
         from amp_rewrite.core import explain_chain
@@ -125,15 +179,33 @@ def known_op_keys() -> frozenset[str]:
     return frozenset(keys)
 
 
-def infer_missing_types(model: ir.Model, graphs: list[ir.Graph]) -> None:
-    """Dtypes for node outputs that still have none after loading (load_model already ran
-    ONNX shape inference): a dtype-only propagation through the op schemas."""
-    from amp_rewrite.onnx.ports import infer_output_dtypes, node_opset
+def _hot_port(hot: Mapping[str, float], values, ports, role: str) -> str | None:
+    for i in ports:
+        name = values[i].name
+        if name in hot:
+            return f"|{name}| up to {hot[name]:.4g} ({role})"
+    return None
 
-    opsets = dict(model.opset_imports)
-    for g in graphs:
-        for n in g:
-            infer_output_dtypes(n, node_opset(n, opsets))
+
+def infer_missing_types(model: ir.Model, graphs: list[ir.Graph] | None = None) -> None:
+    """Dtypes for node outputs and subgraph inputs that still have none after loading
+    (load_model already ran ONNX shape inference where node outputs lacked types): a
+    dtype-only propagation through the op schemas and across control-flow boundaries."""
+    _infer_graph(model.graph, dict(model.opset_imports))
+
+
+def _infer_graph(graph: ir.Graph, opsets: dict[str, int]) -> None:
+    from amp_rewrite.onnx.ports import (body_graphs, infer_output_dtypes, node_opset,
+                                        type_body_inputs, type_outputs_from_bodies)
+
+    for n in graph:
+        opset = node_opset(n, opsets)
+        if n.attributes and body_graphs(n):
+            type_body_inputs(n, opset)
+            for body in body_graphs(n):
+                _infer_graph(body, opsets)
+            type_outputs_from_bodies(n)
+        infer_output_dtypes(n, opset)
 
 
 def _forget_load_time_types(model: ir.Model) -> None:

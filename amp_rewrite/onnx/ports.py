@@ -32,6 +32,7 @@ HIGH_TYPE_VARS = {
     ("com.microsoft", "SimplifiedLayerNormalization"): {"U": "statistics stay fp32 in ORT"},
 }
 CONTROL_FLOW = {"If", "Loop", "Scan"}
+NOT_ADMITTED = "does not admit"
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,9 @@ class PortGroup:
     # False for the converted input of Cast, CastLike, EyeLike, ...: the op converts whatever
     # it reads, so reading it low saves nothing that a Cast in front would not cost again.
     saves_traffic: bool = True
+    # Fixed high only because the schema at this opset does not admit the low dtype (a
+    # newer opset would): counted for the "re-run with --opset N" advice.
+    opset_limited: bool = False
 
     @functools.cached_property  # port groups are cached and shared: computed once
     def label(self) -> str:
@@ -104,11 +108,15 @@ def _port_groups(node: ir.Node, opset: int, low: LowDtype) -> list[PortGroup]:
     if not ins and not outs:
         return []
     if node.op_type in CONTROL_FLOW and node.domain == "":
+        # Only where ``control_flow_ties`` cannot pair the ports with the bodies' boundary:
+        # each port keeps its own dtype (a Scan may carry fp32 state beside fp16 inputs).
+        why = "control-flow port keeps its dtype (its body boundary could not be paired)"
+        return [*(PortGroup(("*",), (i,), (), why) for i in ins),
+                *(PortGroup(("*",), (), (o,), why) for o in outs)]
+    if any(v is not None and v.name and v.type is None for v in (*node.inputs, *node.outputs)):
+        # Retyping the typed ports would contradict the untyped ones' real dtype.
         return [PortGroup(("*",), tuple(ins), tuple(outs),
-                          "control-flow boundary keeps its dtype; its body is rewritten")]
-    if any(v.type is None for v in node.outputs if v.name):
-        return [PortGroup(("*",), tuple(ins), tuple(outs),
-                          "an output's type is unknown after shape inference")]
+                          "a port's type is unknown after shape inference")]
     if _has_non_tensor_port(node):
         return [PortGroup(("*",), tuple(ins), tuple(outs),
                           "sequence/optional element types are not rewritten")]
@@ -148,7 +156,8 @@ def _merge(node: ir.Node, schema, by_tvar, low: LowDtype) -> list[PortGroup]:
         slot[0].append(tvar), slot[1].extend(ins), slot[2].extend(outs)
     converts = node.op_type in INDEPENDENT_TYPE_VARS
     return [PortGroup(tuple(t), tuple(sorted(i)), tuple(sorted(o)), r, a,
-                      saves_traffic=not (converts and not o))
+                      saves_traffic=not (converts and not o),
+                      opset_limited=bool(r) and NOT_ADMITTED in r)
             for t, i, o, r, a in merged.values()]
 
 
@@ -163,7 +172,7 @@ def _fixed_reason(node, tvar: str, constraints, high_policy, ins, low: LowDtype)
     if allowed is None:  # a concrete type such as tensor(float)
         return f"the {node.op_type} schema fixes this port to {tvar}"
     if f"tensor({low.value})" not in allowed:
-        return f"{node.op_type}'s {tvar} does not admit {low.value} at this opset"
+        return f"{node.op_type}'s {tvar} {NOT_ADMITTED} {low.value} at this opset"
     if not ins and node.op_type not in RETYPE_ATTRIBUTE:
         return f"{node.op_type}'s output type {tvar} cannot be retyped"
     return None
@@ -228,3 +237,152 @@ def _from_attribute(node: ir.Node) -> ir.DataType | None:
     if attr.type == ir.AttributeType.TENSOR:
         return attr.value.dtype
     return ir.DataType(attr.value) if attr.type == ir.AttributeType.INT else None
+
+
+def body_graphs(node: ir.Node) -> list[ir.Graph]:
+    """The subgraphs held by the node's attributes (If branches, Loop/Scan bodies)."""
+    bodies = []
+    for attr in node.attributes.values():
+        if attr.type == ir.AttributeType.GRAPH:
+            bodies.append(attr.value)
+        elif attr.type == ir.AttributeType.GRAPHS:
+            bodies.extend(attr.value)
+    return bodies
+
+
+def body_input_sources(node: ir.Node, opset: int) -> list[ir.Value | None]:
+    """For each input of a Loop/Scan body, the outer value whose dtype it takes (or None).
+
+    Loop's body reads (iteration, condition, carried...) for the node's (M, cond, carried...);
+    Scan's (state..., scan elements...) for the node's inputs, after ``sequence_lens`` at
+    opset 8. If branches have no inputs.
+    """
+    if node.domain != "" or node.op_type not in ("Loop", "Scan"):
+        return []
+    if node.op_type == "Loop":
+        return [None, None, *node.inputs[2:]]
+    return list(node.inputs[1:] if opset < 9 else node.inputs)
+
+
+def body_output_slots(node: ir.Node, body: ir.Graph) -> list[tuple[ir.Value, ir.Value]]:
+    """(node output, body output) pairs that carry the same dtype."""
+    if node.domain != "" or node.op_type not in CONTROL_FLOW:
+        return []
+    skip = 1 if node.op_type == "Loop" else 0  # a Loop body returns its condition first
+    return list(zip(node.outputs, body.outputs[skip:]))
+
+
+def type_body_inputs(node: ir.Node, opset: int) -> None:
+    """Give untyped Loop/Scan body inputs the dtype of the outer value that feeds them.
+
+    Exporters (and onnx's own opset-27 expanded tests) leave body inputs untyped; the checker
+    infers them, so an output that retyped a body without typing them would contradict it.
+    """
+    sources = body_input_sources(node, opset)
+    for body in body_graphs(node):
+        for inner, outer in zip(body.inputs, sources):
+            if inner.type is None and outer is not None and isinstance(outer.type, ir.TensorType):
+                inner.dtype = outer.dtype
+        if node.op_type == "Loop" and len(body.inputs) >= 2:
+            for inner, dtype in zip(body.inputs[:2], (ir.DataType.INT64, ir.DataType.BOOL)):
+                if inner.type is None:
+                    inner.dtype = dtype
+
+
+def type_outputs_from_bodies(node: ir.Node) -> None:
+    """Untyped outputs of a control-flow node take the dtype of the body output they return."""
+    for body in body_graphs(node):
+        for outer, inner in body_output_slots(node, body):
+            if outer.type is None and isinstance(inner.type, ir.TensorType):
+                outer.dtype = inner.dtype
+
+
+@dataclass(frozen=True)
+class Tie:
+    """Ports of a control-flow node and of its bodies that carry one value, so one dtype:
+    a Scan state is the node's input, the body's input, the body's output and the node's
+    output. Reads are node inputs and body outputs; writes are body inputs and node outputs.
+    """
+
+    inputs: tuple[int, ...]
+    body_outputs: tuple[tuple[ir.Graph, int], ...]
+    body_inputs: tuple[ir.Value, ...]
+    outputs: tuple[int, ...]
+    fixed_reason: str | None
+
+    def reads(self, node: ir.Node) -> list[ir.Value]:
+        return [node.inputs[i] for i in self.inputs] + [g.outputs[k] for g, k in self.body_outputs]
+
+    def writes(self, node: ir.Node) -> list[ir.Value]:
+        return [*self.body_inputs, *(node.outputs[o] for o in self.outputs)]
+
+
+def control_flow_ties(node: ir.Node, opset: int, low: LowDtype) -> list[Tie] | None:
+    """The ties of an If/Loop/Scan node, or None where its ports cannot all be paired with a
+    body boundary of the same float dtype (then ``port_groups`` keeps each port as it is)."""
+    slots = _tie_slots(node, opset)
+    if slots is None:
+        return None
+    low_ir = to_ir_dtype(low)
+    schema = _schema("", node.op_type, opset)
+    admits = schema is not None and any(
+        tc.type_param_str == "V" and f"tensor({low.value})" in tc.allowed_type_strs
+        for tc in schema.type_constraints)
+    reason = None if admits else f"{node.op_type}'s V does not admit {low.value} at this opset"
+    ties = []
+    for ins, bouts, bins, outs in slots:
+        tie = Tie(tuple(ins), tuple(bouts), tuple(bins), tuple(outs), reason)
+        values = tie.reads(node) + tie.writes(node)
+        candidates = [v for v in values if is_candidate(v, low_ir)]
+        if not candidates:
+            continue
+        if len(candidates) != len(values) or len({v.dtype for v in candidates}) > 1:
+            return None
+        ties.append(tie)
+    return ties
+
+
+def _tie_slots(node: ir.Node, opset: int) -> list[tuple] | None:
+    """(node inputs, body outputs, body inputs, node outputs) per carried value."""
+    if node.domain != "" or node.op_type not in CONTROL_FLOW:
+        return None
+    attrs = node.attributes
+    if node.op_type == "If":
+        then, other = attrs["then_branch"].value, attrs["else_branch"].value
+        n = len(node.outputs)
+        if len(then.outputs) != n or len(other.outputs) != n:
+            return None
+        return [((), ((then, i), (other, i)), (), (i,)) for i in range(n)]
+    body = attrs["body"].value
+    if node.op_type == "Loop":
+        carried = len(node.inputs) - 2
+        scanned = len(node.outputs) - carried
+        if len(body.inputs) != carried + 2 or len(body.outputs) != 1 + carried + scanned:
+            return None
+        return [*(((2 + j,), ((body, 1 + j),), (body.inputs[2 + j],), (j,))
+                  for j in range(carried)),
+                *(((), ((body, 1 + carried + k),), (), (carried + k,)) for k in range(scanned))]
+    if opset < 9 or "num_scan_inputs" not in attrs:
+        return None  # opset-8 Scan: batched, with sequence_lens first
+    scan_in = attrs["num_scan_inputs"].value
+    state = len(node.inputs) - scan_in
+    scan_out = len(node.outputs) - state
+    if len(body.inputs) != state + scan_in or len(body.outputs) != state + scan_out:
+        return None
+    return [*(((j,), ((body, j),), (body.inputs[j],), (j,)) for j in range(state)),
+            *(((state + m,), (), (body.inputs[state + m],), ()) for m in range(scan_in)),
+            *(((), ((body, state + k),), (), (state + k,)) for k in range(scan_out))]
+
+
+def first_opset_admitting(domain: str, op_type: str, low: LowDtype, after: int) -> int | None:
+    """The first opset after ``after`` whose schema of the op admits ``low`` for its first
+    input's type variable (where Conv, BatchNormalization, LSTM gained bf16: 22)."""
+    for opset in range(after + 1, onnx.defs.onnx_opset_version() + 1):
+        schema = _schema(domain, op_type, opset)
+        if schema is None or not schema.inputs:
+            continue
+        tvar = schema.inputs[0].type_str
+        allowed = {tc.type_param_str: tc.allowed_type_strs for tc in schema.type_constraints}
+        if f"tensor({low.value})" in allowed.get(tvar, ()):
+            return opset
+    return None

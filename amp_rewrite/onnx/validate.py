@@ -49,9 +49,13 @@ def providers() -> list[str]:
 def session(model: onnx.ModelProto):
     import onnxruntime as ort
 
+    from amp_rewrite.onnx.versions import loadable
+
     opts = ort.SessionOptions()
     opts.log_severity_level = 4  # fatal only: its errors reach the user in ours, in one line
-    return ort.InferenceSession(model.SerializeToString(), opts, providers=providers())
+    # An FP32 baseline saved by onnx 1.23 says IR 14, which onnxruntime 1.31 cannot load.
+    return ort.InferenceSession(loadable(model).SerializeToString(), opts,
+                                providers=providers())
 
 
 def load_feeds(data: Mapping[str, np.ndarray] | str | os.PathLike) -> dict[str, np.ndarray]:

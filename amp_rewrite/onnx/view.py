@@ -10,11 +10,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import ml_dtypes
+import numpy as np
+import onnx
 import onnx_ir as ir
 
 from amp_rewrite.core import GroupInfo, LowDtype, Precision, PrecisionGraph
 from amp_rewrite.onnx.io import INFERRED_SIZES, SYMBOLIC_DIM_EXTENT, walk_graphs
-from amp_rewrite.onnx.ports import PortGroup, is_candidate, node_opset, port_groups, to_ir_dtype
+from amp_rewrite.onnx.ports import (CONTROL_FLOW, PortGroup, Tie, body_graphs, control_flow_ties,
+                                    is_candidate, node_opset, port_groups, to_ir_dtype)
 
 INSERTED_TAG = "amp_rewrite.inserted"
 CAST_OPS = ("Cast", "CastLike")
@@ -33,6 +37,15 @@ class OnnxView:
     # The model's own Cast/CastLike nodes with their (input, output) dtypes before the rewrite
     # (``apply`` removes those the rewrite changes into identities).
     model_casts: list[tuple[ir.Node, tuple]] = field(default_factory=list)
+    # Control-flow ties (``ports.Tie``) and the bodies whose boundary they cover: those
+    # bodies' inputs and outputs are no sources or sinks, the tie carries them.
+    ties: dict[tuple, tuple[ir.Node, Tie]] = field(default_factory=dict)
+    tied_bodies: set[int] = field(default_factory=set)  # id() of ir.Graph
+    # Constants the low dtype cannot hold -> why (their readers run high; no clamp).
+    wide_values: dict[ir.Value, str] = field(default_factory=dict)
+    clamp_constants: bool = False
+    range_problems: dict[ir.Value, str] = field(default_factory=dict)  # see _range_problems
+    opsets: dict[str, int] = field(default_factory=dict)  # the model's opset imports
 
 
 def value_nbytes(value: ir.Value, inferred: dict[str, int | None]) -> int | None:
@@ -47,15 +60,22 @@ def value_nbytes(value: ir.Value, inferred: dict[str, int | None]) -> int | None
 
 
 def build_view(model: ir.Model, low: LowDtype, *, keep_io_types: bool = True,
-               graphs: list[ir.Graph] | None = None) -> OnnxView:
-    """The precision view of ``model``; ``graphs``: ``walk_graphs(model.graph)`` if given."""
+               graphs: list[ir.Graph] | None = None, clamp_constants: bool = False) -> OnnxView:
+    """The precision view of ``model``; ``graphs``: ``walk_graphs(model.graph)`` if given.
+
+    ``clamp_constants``: constants beyond the low dtype's range may be stored clamped (the
+    old behaviour, on request only); by default they stay fp32 and so do their readers.
+    """
     graphs = list(walk_graphs(model.graph)) if graphs is None else graphs
-    view = OnnxView(PrecisionGraph(), low, graphs)
+    view = OnnxView(PrecisionGraph(), low, graphs, clamp_constants=clamp_constants)
+    if not clamp_constants:
+        view.range_problems = _range_problems(graphs, low)
     low_ir = to_ir_dtype(low)
-    opsets = dict(model.opset_imports)
+    opsets = view.opsets = dict(model.opset_imports)
     inferred = model.meta.get(INFERRED_SIZES, {})
+    sizes = _if_output_sizes(graphs, inferred)
     for g in graphs:
-        _add_values(view, g, low_ir, inferred)
+        _add_values(view, g, low_ir, inferred, sizes)
     for g in graphs:
         is_main = g is model.graph
         _add_sources(view, g, low_ir, is_main, keep_io_types)
@@ -66,12 +86,34 @@ def build_view(model: ir.Model, low: LowDtype, *, keep_io_types: bool = True,
 
 
 def _add_values(view: OnnxView, g: ir.Graph, low_ir: ir.DataType,
-                inferred: dict[str, int | None]) -> None:
+                inferred: dict[str, int | None], sizes: dict[ir.Value, int]) -> None:
     values = [*g.inputs, *g.initializers.values()]
     values += [v for node in g for v in node.outputs]
     for v in values:
         if is_candidate(v, low_ir) and not view.graph.has_value(v):
-            view.graph.add_value(v, name=v.name or "", nbytes=value_nbytes(v, inferred))
+            nbytes = value_nbytes(v, inferred)
+            view.graph.add_value(v, name=v.name or "",
+                                 nbytes=nbytes if nbytes is not None else sizes.get(v))
+
+
+def _if_output_sizes(graphs: list[ir.Graph], inferred) -> dict[ir.Value, int]:
+    """Sizes for If outputs and branch outputs that shape inference left unknown, from the
+    other side of the If: they are one tensor. Without them a branch output costs one unit
+    against the If output's real size, and the cut casts inside every branch."""
+    sizes: dict[ir.Value, int] = {}
+    if len(graphs) == 1:
+        return sizes  # an If always brings its branches along
+    for g in graphs:
+        for node in g:
+            if node.op_type != "If" or node.domain != "":
+                continue
+            branches = body_graphs(node)
+            for i, out in enumerate(node.outputs):
+                members = [out, *(b.outputs[i] for b in branches if i < len(b.outputs))]
+                known = [n for n in (value_nbytes(v, inferred) for v in members) if n]
+                if known:
+                    sizes.update({v: max(known) for v in members})
+    return sizes
 
 
 def _current(value: ir.Value, low_ir: ir.DataType) -> Precision:
@@ -80,7 +122,8 @@ def _current(value: ir.Value, low_ir: ir.DataType) -> Precision:
 
 def _add_sources(view: OnnxView, g: ir.Graph, low_ir: ir.DataType, is_main: bool,
                  keep_io: bool) -> None:
-    for v in g.inputs:
+    tied = id(g) in view.tied_bodies
+    for v in g.inputs if not tied else ():
         if is_candidate(v, low_ir):
             keep = not is_main or keep_io or v.dtype == low_ir
             reason = ("graph input keeps its dtype (keep_io_types)" if is_main
@@ -88,8 +131,11 @@ def _add_sources(view: OnnxView, g: ir.Graph, low_ir: ir.DataType, is_main: bool
             _source(view, g, v, None, _current(v, low_ir) if keep else None, reason)
     for v in g.initializers.values():
         if is_candidate(v, low_ir) and v not in g.inputs:
-            fixed = Precision.LOW if v.dtype == low_ir else None
-            _source(view, g, v, None, fixed, "initializer already low in the model")
+            if v.dtype == low_ir:
+                _source(view, g, v, None, Precision.LOW, "initializer already low in the model")
+                continue
+            wide = _wide(view, v, v.const_value)
+            _source(view, g, v, None, Precision.HIGH if wide else None, wide or "")
 
 
 def _source(view, g, v, node, fixed, reason) -> None:
@@ -101,6 +147,8 @@ def _source(view, g, v, node, fixed, reason) -> None:
 
 def _add_sinks(view: OnnxView, g: ir.Graph, low_ir: ir.DataType, is_main: bool,
                keep_io: bool) -> None:
+    if id(g) in view.tied_bodies:
+        return
     for i, v in enumerate(g.outputs):
         if not is_candidate(v, low_ir):
             continue
@@ -115,6 +163,8 @@ def _add_node(view: OnnxView, node: ir.Node, opset: int, low_ir: ir.DataType) ->
     domain, op_type = node.domain, node.op_type
     if op_type == "Constant" and domain == "":
         _add_constant(view, node, low_ir)
+        return
+    if op_type in CONTROL_FLOW and domain == "" and _add_ties(view, node, opset, low_ir):
         return
     groups = port_groups(node, opset, view.low)
     if not groups:
@@ -134,6 +184,27 @@ def _add_node(view: OnnxView, node: ir.Node, opset: int, low_ir: ir.DataType) ->
         info = GroupInfo(key, node, name, op_key, fixed, reason, savings=pg.saves_traffic,
                          tvar=pg.label)
         view.graph.add_group(info, inputs=reads, outputs=writes)
+
+
+def _add_ties(view: OnnxView, node: ir.Node, opset: int, low_ir: ir.DataType) -> bool:
+    """The node's ties as groups (see ``ports.Tie``); False where they cannot be formed."""
+    ties = control_flow_ties(node, opset, view.low)
+    if ties is None:
+        return False
+    view.tied_bodies.update(id(b) for b in body_graphs(node))
+    for index, tie in enumerate(ties):
+        reads, writes = tie.reads(node), tie.writes(node)
+        if tie.fixed_reason:
+            fixed, reason = _current(writes[0], low_ir), tie.fixed_reason
+        elif {v.dtype for v in reads + writes} == {low_ir}:
+            fixed, reason = Precision.LOW, f"already {low_ir.name.lower()} in the model"
+        else:
+            fixed, reason = None, ""
+        key = ("tie", node, index)
+        view.ties[key] = (node, tie)
+        view.graph.add_group(GroupInfo(key, node, node.name or "", node.op_type, fixed, reason,
+                                       savings=False, tvar="V"), inputs=reads, outputs=writes)
+    return True
 
 
 def cast_dtypes(cast: ir.Node) -> tuple[ir.DataType | None, ir.DataType | None]:
@@ -158,7 +229,122 @@ def _add_constant(view: OnnxView, node: ir.Node, low_ir: ir.DataType) -> None:
         return
     convertible = "value" in node.attributes and out.dtype == ir.DataType.FLOAT
     fixed = None if convertible else _current(out, low_ir)
+    reason = "" if convertible else "Constant form kept as is"
+    wide = _wide(view, out, node.attributes["value"].value) if convertible else None
+    if wide:
+        fixed, reason = Precision.HIGH, wide
     key = ("source", out)
     view.sources[key] = (node.graph, out, node)
     view.graph.add_source(key, out, name=node.name or out.name or "", fixed=fixed,
-                          reason="" if convertible else "Constant form kept as is")
+                          reason=reason)
+
+
+def _wide(view: OnnxView, value: ir.Value, tensor) -> str | None:
+    """Why the low dtype cannot hold this float32 constant (recorded), or None."""
+    problem = view.range_problems.get(value)
+    if problem is None:
+        return None
+    view.wide_values[value] = f"{value.name or 'a constant'} ({problem})"
+    return f"{problem}: kept fp32 with its readers (no clamp)"
+
+
+def _range_problems(graphs: list[ir.Graph], low: LowDtype) -> dict[ir.Value, str]:
+    """``range_problem`` of every float32 initializer and ``Constant(value=...)``.
+
+    Small tensors stored as raw bytes (biases, norm weights, most weights of a long chain)
+    are screened together: one max|x| per tensor over their joined bytes, the full check
+    only for the few that come near a limit. One numpy call per tensor cost 1.3 s at 33k
+    initializers.
+    """
+    batch: list[tuple[ir.Value, bytes]] = []
+    problems: dict[ir.Value, str] = {}
+    for value, tensor in _float_constants(graphs):
+        raw = _small_raw_bytes(tensor)
+        if raw is not None:
+            batch.append((value, raw))
+            continue
+        try:
+            array = tensor.numpy()
+        except Exception:  # malformed data: left to the conversion to report, as before
+            continue
+        problem = range_problem(array, low)
+        if problem:
+            problems[value] = problem
+    if batch:
+        flat = np.frombuffer(b"".join(raw for _, raw in batch), "<f4")
+        sizes = np.fromiter((len(raw) // 4 for _, raw in batch), np.int64, len(batch))
+        starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+        tops = np.maximum.reduceat(np.abs(flat), starts)
+        limit, tiny = _LIMITS[low]
+        fits = (tops <= limit) & ((tops == 0) | (tops * _SIGNIFICANT >= 4 * tiny))  # NaN: no
+        for i in np.flatnonzero(~fits):
+            value, raw = batch[i]
+            problem = range_problem(np.frombuffer(raw, "<f4"), low)
+            if problem:
+                problems[value] = problem
+    return problems
+
+
+def _float_constants(graphs: list[ir.Graph]):
+    for g in graphs:
+        for v in g.initializers.values():
+            if v.dtype == ir.DataType.FLOAT and v.const_value is not None:
+                yield v, v.const_value
+        for node in g:
+            if node.op_type == "Constant" and node.domain == "" and "value" in node.attributes:
+                out = node.outputs[0]
+                if out.dtype == ir.DataType.FLOAT:
+                    yield out, node.attributes["value"].value
+
+
+def _small_raw_bytes(tensor) -> bytes | None:
+    """The little-endian float32 bytes of a small tensor stored as a TensorProto, or None."""
+    if not isinstance(tensor, ir.serde.TensorProtoTensor):
+        return None
+    proto = tensor.raw
+    raw = proto.raw_data
+    if (not raw or len(raw) % 4 or len(raw) > 1 << 16
+            or proto.data_location == onnx.TensorProto.EXTERNAL):
+        return None
+    return raw
+
+
+# A value this far below the tensor's largest is under its rounding error in any sum or
+# product with it (about fp16's mantissa): flushing it changes nothing that matters.
+_SIGNIFICANT = 2.0 ** -10
+_MAX_UNDERFLOW_ERROR = 0.125  # relative error of a deep subnormal that counts as lost
+_LIMITS = {low: (float(info.max), float(info.smallest_subnormal)) for low, info in (
+    (LowDtype.FLOAT16, ml_dtypes.finfo(np.float16)),
+    (LowDtype.BFLOAT16, ml_dtypes.finfo(ml_dtypes.bfloat16)))}
+
+
+def range_problem(array: np.ndarray, low: LowDtype) -> str | None:
+    """Why ``array`` (float32) does not fit the low dtype, or None.
+
+    It does not fit when a finite value exceeds the dtype's range (it would be clamped or
+    become Inf) or when values significant within the tensor (within 2**-10 of its largest)
+    fall so deep into the subnormals that converting loses more than 1/8 of them.
+    """
+    if array.dtype != np.float32 or array.size == 0:
+        return None
+    limit, tiny = _LIMITS[low]
+    top = max(float(array.max()), -float(array.min()))  # no |x| copy: 25k weights add up
+    if not np.isfinite(top):  # Inf or NaN somewhere: the largest finite magnitude
+        magnitude = np.abs(array)
+        finite = magnitude[np.isfinite(magnitude)]
+        top = float(finite.max()) if finite.size else 0.0
+    if top > limit:
+        return f"values up to {top:.3g}, beyond {low.value}'s ±{limit:.6g}"
+    if top == 0.0 or top * _SIGNIFICANT >= 4 * tiny:
+        return None  # every significant value converts within 1/8 of itself
+    info = ml_dtypes.finfo(np.float16 if low is LowDtype.FLOAT16 else ml_dtypes.bfloat16)
+    name = low.value
+    magnitude = np.abs(array)
+    floor = top * _SIGNIFICANT
+    significant = array[(magnitude >= floor) & (magnitude > 0)]
+    back = significant.astype(info.dtype).astype(np.float32)
+    lost = np.abs(back - significant) > _MAX_UNDERFLOW_ERROR * np.abs(significant)
+    if not lost.any():
+        return None
+    return (f"{int(lost.sum())} significant values as small as "
+            f"{float(np.abs(significant[lost]).min()):.3g} underflow {name}")

@@ -1,0 +1,121 @@
+"""IR and opset versions of the output: loadable by the installed runtime, no newer than needed.
+
+onnx 1.23's ``make_model`` stamps IR 14 on every model, which onnxruntime 1.31 refuses to load
+although nothing in the model needs it. The IR version a model needs follows from its opset
+imports (``onnx.helper.find_min_ir_version_for``) and from the element types it uses (float8
+came with IR 9, 4-bit integers with IR 10, float4 with IR 11, float8e8m0 with IR 12).
+"""
+from __future__ import annotations
+
+import logging
+
+import onnx
+import onnx_ir as ir
+
+from amp_rewrite.errors import ModelError, UsageError
+from amp_rewrite.onnx.io import walk_graphs
+
+logger = logging.getLogger(__name__)
+# Below IR 7 the format differs in ways not visible from opsets or dtypes (IR < 4 wants
+# initializers listed as inputs, ...): a model is never lowered below min(its own, 7).
+SAFE_FLOOR = 7
+_FLOAT8 = {ir.DataType.FLOAT8E4M3FN, ir.DataType.FLOAT8E4M3FNUZ, ir.DataType.FLOAT8E5M2,
+           ir.DataType.FLOAT8E5M2FNUZ}
+_INT4 = {ir.DataType.UINT4, ir.DataType.INT4}
+_KNOWN_DTYPES_IR = 11  # dtypes up to FLOAT4E2M1; anything newer keeps the model's IR
+
+
+def dtype_ir_version(dtypes: set[ir.DataType]) -> int | None:
+    """The IR version the element types need; None when one is too new to know."""
+    need = 3
+    for dtype in dtypes:
+        if dtype in _FLOAT8:
+            need = max(need, 9)
+        elif dtype in _INT4:
+            need = max(need, 10)
+        elif dtype == ir.DataType.FLOAT4E2M1:
+            need = max(need, _KNOWN_DTYPES_IR)
+        elif int(dtype) > int(ir.DataType.FLOAT4E2M1):
+            return None
+    return need
+
+
+def _model_dtypes(model: ir.Model) -> set[ir.DataType]:
+    dtypes = set()
+    for g in walk_graphs(model.graph):
+        values = [*g.inputs, *g.initializers.values(), *(v for n in g for v in n.outputs)]
+        dtypes.update(v.dtype for v in values if v.dtype is not None)
+        for n in g:
+            if n.op_type == "Cast" and "to" in n.attributes:
+                dtypes.add(ir.DataType(n.attributes["to"].value))
+    return dtypes
+
+
+def lowest_ir_version(model: ir.Model) -> int:
+    """The lowest IR version ``model``'s opsets and element types allow, never below
+    min(the model's own, SAFE_FLOOR); the model's own where a feature is too new to judge."""
+    own = model.ir_version
+    opsets = [onnx.helper.make_opsetid(d, v) for d, v in model.opset_imports.items()]
+    try:
+        by_opset = onnx.helper.find_min_ir_version_for(opsets, ignore_unknown=True)
+    except ValueError:  # an ai.onnx opset newer than this onnx knows
+        return own
+    if own <= max(by_opset, SAFE_FLOOR):
+        return max(own, by_opset)  # nothing to lower: skip the scan of every value's dtype
+    by_dtype = dtype_ir_version(_model_dtypes(model))
+    if by_dtype is None:
+        return own
+    need = max(by_opset, by_dtype)
+    return max(need, min(own, max(need, SAFE_FLOOR)))
+
+
+def set_lowest_ir_version(model: ir.Model) -> bool:
+    """Lower (or raise, where a conversion needs it) ``model.ir_version``; True if changed."""
+    target = lowest_ir_version(model)
+    if target == model.ir_version:
+        return False
+    logger.info("IR version %d -> %d (the lowest the model's opsets and types allow)",
+                model.ir_version, target)
+    model.ir_version = target
+    return True
+
+
+def loadable(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """``proto`` with the lowest IR version it allows (a copy where that differs): an FP32
+    baseline made by onnx 1.23's make_model (IR 14) loads in onnxruntime 1.31 this way."""
+    model = ir.from_proto(proto)
+    target = lowest_ir_version(model)
+    if target == proto.ir_version:
+        return proto
+    lowered = onnx.ModelProto()
+    lowered.CopyFrom(proto)
+    lowered.ir_version = target
+    return lowered
+
+
+def convert_opset(model: ir.Model, target: int) -> ir.Model:
+    """``model`` converted to ai.onnx opset ``target`` with onnx's version converter.
+
+    A model already at ``target`` comes back as is; converting down is refused (ops the
+    target lacks would have to be rewritten, which the converter does not do reliably).
+    """
+    current = model.opset_imports.get("", None)
+    if current is None or current == target:
+        return model
+    if target < current:
+        raise UsageError(f"--opset {target}: the model is at opset {current}; only upgrades "
+                         "are supported")
+    if target > onnx.defs.onnx_opset_version():
+        raise UsageError(f"--opset {target}: this onnx knows opsets up to "
+                         f"{onnx.defs.onnx_opset_version()}")
+    from onnx import version_converter
+
+    proto = ir.to_proto(model)
+    try:
+        converted = version_converter.convert_version(proto, target)
+    except Exception as e:  # the converter raises RuntimeError/ValueError/ConvertError
+        raise ModelError(f"cannot convert the model from opset {current} to {target}: "
+                         f"{str(e).strip().splitlines()[0] if str(e).strip() else e!r}; "
+                         "convert it yourself or leave --opset out") from None
+    logger.info("converted opset %d -> %d", current, target)
+    return ir.from_proto(converted)
