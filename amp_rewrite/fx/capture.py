@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
@@ -28,6 +28,9 @@ from amp_rewrite.errors import CaptureError, UsageError
 log = logging.getLogger(__name__)
 
 CAPTURE_MODES = ("export", "symbolic_trace")
+_DATA_DEPENDENT_FIX = ("it returns a Python value computed from tensor contents (torch.equal, "
+                       ".item(), .tolist()), which no captured graph can hold; compute it as a "
+                       "tensor instead (torch.equal(x, y) -> (x == y).all())")
 
 # export's message names the user's line after this header (torch >= 2.5).
 _USER_FRAME = re.compile(
@@ -129,6 +132,10 @@ def _raise_export_failure(module: torch.nn.Module, args: tuple, kwargs: dict,
         raise UsageError(f"example inputs do not fit {type(module).__name__}: "
                          f"{_first_line(eager_error)}") from error
     construct = _user_construct(error)
+    if isinstance(error, DataDependentOutputException):
+        raise CaptureError(f"torch.export cannot capture {type(module).__name__}: "
+                           f"{_first_line(error)} {construct}".rstrip()
+                           + f"; {_DATA_DEPENDENT_FIX}") from error
     if isinstance(error, GuardOnDataDependentSymNode):
         raise CaptureError(
             f"torch.export cannot capture {type(module).__name__}: data-dependent control flow "
@@ -167,6 +174,7 @@ def _first_line(error: Exception) -> str:
 
 
 def _symbolic_trace(module: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.GraphModule:
+    versions = _state_versions(module)
     try:
         gm = torch.fx.symbolic_trace(module)
     except torch.fx.proxy.TraceError as e:
@@ -179,8 +187,57 @@ def _symbolic_trace(module: torch.nn.Module, args: tuple, kwargs: dict) -> torch
             f"torch.fx.symbolic_trace cannot capture {type(module).__name__}: "
             f"{_first_line(e)} {_model_frame(e)}(the code needs concrete values, which "
             "symbolic tracing does not have); use capture='export'") from e
-    propagate_fake(gm, args, kwargs)
+    _refuse_eager_state_writes(module, versions)
+    try:
+        propagate_fake(gm, args, kwargs)
+    except UsageError as e:
+        if _eager_error(module, args, kwargs) is not None:
+            raise
+        # The module accepts these inputs, so the traced graph lost something: name it.
+        raise CaptureError(f"torch.fx.symbolic_trace cannot capture {type(module).__name__}: "
+                           f"{_failed_construct(e)}") from e.__cause__
     return gm
+
+
+def _failed_construct(error: UsageError) -> str:
+    node = getattr(error, "node", None)
+    cause = error.__cause__
+    what = _first_line(cause) if cause is not None else str(error)
+    if node is None:
+        return f"the traced graph fails where the module runs: {what}"
+    data_dependent = isinstance(cause, (DataDependentOutputException,
+                                        GuardOnDataDependentSymNode))
+    because = (_DATA_DEPENDENT_FIX if data_dependent else "the traced graph lost what made it "
+               "valid eagerly (e.g. a torch.no_grad() block around an in-place update); use "
+               "capture='export'")
+    return f"node {node.name} ({_target_name(node)}) fails: {what}; {because}"
+
+
+def _target_name(node: torch.fx.Node) -> str:
+    target = node.target
+    if isinstance(target, str):
+        return f"{node.op} {target}"
+    module = getattr(target, "__module__", "") or ""
+    name = getattr(target, "__name__", str(target))
+    return f"{module.replace('torch._C._VariableFunctions', 'torch')}.{name}".lstrip(".")
+
+
+def _state_versions(module: torch.nn.Module) -> dict[str, int]:
+    """Version counters of the parameters and buffers: every in-place write bumps one."""
+    return {name: t._version for name, t in module.state_dict(keep_vars=True).items()}
+
+
+def _refuse_eager_state_writes(module: torch.nn.Module, before: dict[str, int]) -> None:
+    """symbolic_trace runs ``self.buf.mul_(0.9)`` on the real buffer instead of recording it
+    (no operand is a Proxy), so the graph would silently lack the update."""
+    written = [name for name, t in module.state_dict(keep_vars=True).items()
+               if t._version != before.get(name, t._version)]
+    if written:
+        raise CaptureError(
+            f"torch.fx.symbolic_trace cannot capture {type(module).__name__}: it ran the "
+            f"in-place update of {', '.join(written)} during tracing instead of recording it "
+            "(an in-place op on a parameter or buffer whose operands are constants); use "
+            "capture='export'")
 
 
 def _model_frame(error: Exception) -> str:
@@ -221,11 +278,24 @@ def propagate_fake(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> None:
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     flat = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
             for a in flat_inputs(gm, args, kwargs)]
+    prop = _NodeTrackingFakeProp(gm, mode)
     try:
         with mode:
-            FakeTensorProp(gm, mode).run(*flat, enable_io_processing=False)
+            prop.run(*flat, enable_io_processing=False)
     except Exception as e:  # noqa: BLE001 - shape/dtype errors mean the inputs do not fit
-        raise UsageError(f"example inputs do not fit the graph: {_first_line(e)}") from e
+        error = UsageError(f"example inputs do not fit the graph: {_first_line(e)}")
+        error.node = prop.current  # the failing node, for callers that know better
+        raise error from e
+
+
+class _NodeTrackingFakeProp(FakeTensorProp):
+    """FakeTensorProp that remembers the node it is running, to name it in errors."""
+
+    current: torch.fx.Node | None = None
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        self.current = n
+        return super().run_node(n)
 
 
 def refresh_fake_values(gm: torch.fx.GraphModule) -> None:
