@@ -28,6 +28,7 @@ from amp_rewrite.errors import CaptureError, UsageError
 log = logging.getLogger(__name__)
 
 CAPTURE_MODES = ("export", "symbolic_trace")
+STATIC = "static"  # dynamic_shapes= value for a graph specialised to the example shapes
 _DATA_DEPENDENT_FIX = ("it returns a Python value computed from tensor contents (torch.equal, "
                        ".item(), .tolist()), which no captured graph can hold; compute it as a "
                        "tensor instead (torch.equal(x, y) -> (x == y).all())")
@@ -68,7 +69,12 @@ def check_signature(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
 def capture(model: torch.nn.Module, example_inputs: Any,
             example_kwargs: Mapping[str, Any] | None = None, *, mode: str = "export",
             dynamic_shapes: Any = None) -> torch.fx.GraphModule:
-    """A GraphModule for ``model`` with fake-tensor ``meta['val']`` on every node."""
+    """A GraphModule for ``model`` with fake-tensor ``meta['val']`` on every node.
+
+    ``dynamic_shapes``: None (default) makes export keep every dimension it can symbolic
+    (``export_dynamic_shapes``), ``"static"`` specialises to the example shapes, anything else
+    goes to ``torch.export.export`` as is.
+    """
     if not isinstance(model, torch.nn.Module):
         raise UsageError(f"expected a torch.nn.Module or GraphModule, got {type(model).__name__}")
     args, kwargs = normalize_inputs(example_inputs, example_kwargs)
@@ -82,10 +88,38 @@ def capture(model: torch.nn.Module, example_inputs: Any,
     check_signature(model, args, kwargs)
     module = copy.deepcopy(model)
     if mode == "export":
-        return _export(module, args, kwargs, dynamic_shapes)
-    if dynamic_shapes is not None:
+        return _export(module, args, kwargs, export_dynamic_shapes(module, args, kwargs,
+                                                                   dynamic_shapes))
+    if dynamic_shapes not in (None, STATIC):
         raise UsageError("dynamic_shapes needs capture='export'")
     return _symbolic_trace(module, args, kwargs)
+
+
+def export_dynamic_shapes(module: torch.nn.Module, args: tuple, kwargs: dict,
+                          requested: Any) -> Any:
+    """What ``torch.export`` gets: the user's spec, None for ``"static"``, else every
+    dimension of every tensor input ``Dim.AUTO``.
+
+    AUTO lets export keep a dimension symbolic unless the model fixes it (a Linear's features,
+    a conv's channels, size-1 dimensions), so the batch and sequence dimensions of a training
+    loop's smaller last batch or longer sentence pass the graph's guards.
+    """
+    if requested == STATIC:
+        return None
+    if requested is not None:
+        return requested
+    try:
+        bound = inspect.signature(module.forward).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return None
+    return {name: torch.utils._pytree.tree_map(_auto_dims, value)
+            for name, value in bound.arguments.items()}
+
+
+def _auto_dims(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.dim() > 0:
+        return dict.fromkeys(range(value.dim()), torch.export.Dim.AUTO)
+    return None
 
 
 def _copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

@@ -14,6 +14,7 @@ from torch import nn
 
 import amp_rewrite
 from amp_rewrite.errors import CaptureError, UsageError
+from amp_rewrite.fx import rewrite_graph
 
 # ------------------------------------------------------------------ in-place chains
 
@@ -124,3 +125,132 @@ def test_symbolic_trace_losing_no_grad_is_a_capture_error_not_bad_inputs():
     _ParameterChainNoGrad()(x)
     with pytest.raises(CaptureError, match="node mul_ .*no_grad"):
         amp_rewrite.rewrite(_ParameterChainNoGrad(), (x,), capture="symbolic_trace")
+
+
+# ------------------------------------------------------------------ models not held in fp32
+
+
+class _Classifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 10))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.body(x) * 8.0, y)
+
+
+def _classifier_inputs(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return torch.randn(32, 16, generator=gen).to(dtype), torch.randint(0, 10, (32,),
+                                                                       generator=gen)
+
+
+def test_bf16_module_under_fp16_rewrite_is_converted_like_cpu_autocast():
+    """It came back unchanged with the false note 'no floating-point tensors'."""
+    torch.manual_seed(0)
+    model = _Classifier().to(torch.bfloat16)
+    x, y = _classifier_inputs(torch.bfloat16)
+    gm = amp_rewrite.rewrite(copy.deepcopy(model), (x, y), dtype=torch.float16,
+                             keep_io_types=False)
+    dtypes = {n.name: n.meta["val"].dtype for n in gm.graph.nodes
+              if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor)}
+    assert dtypes["linear"] == dtypes["linear_1"] == torch.float16  # low ops: the target dtype
+    assert dtypes["cross_entropy_loss"] == torch.float32  # fp32-list op: upcast, as autocast
+    assert any("bfloat16 tensors are converted" in n for n in gm.amp_report["notes"])
+    assert not any("no floating-point" in n for n in gm.amp_report["notes"])
+    with torch.autocast("cpu", dtype=torch.float16):
+        autocast_loss = model(x, y)
+    fp32_loss = copy.deepcopy(model).float()(x.float(), y)
+    assert gm(x, y).item() == pytest.approx(autocast_loss.item(), abs=2e-3)
+    assert abs(gm(x, y).item() - fp32_loss.item()) <= abs(model(x, y).item()
+                                                           - fp32_loss.item()) + 2e-3
+
+
+def test_bf16_module_keeps_its_output_dtype_and_second_run_changes_nothing():
+    model = _Classifier().to(torch.bfloat16)
+    x, y = _classifier_inputs(torch.bfloat16)
+    gm = amp_rewrite.rewrite(model, (x, y), dtype="fp16")
+    assert gm(x, y).dtype == torch.bfloat16
+    code = gm.code
+    again = rewrite_graph(gm, dtype="fp16")
+    assert again.code == code and not again.amp_report["modified"]
+
+
+def test_fp64_module_is_returned_unchanged_with_a_true_note():
+    model = _Classifier().double()
+    x, y = _classifier_inputs(torch.float64)
+    gm = amp_rewrite.rewrite(copy.deepcopy(model), (x, y), dtype=torch.float16)
+    torch.testing.assert_close(gm(x, y), model(x, y), rtol=0, atol=0)
+    with torch.autocast("cpu", dtype=torch.float16):  # autocast never casts float64 either
+        torch.testing.assert_close(model(x, y), gm(x, y), rtol=0, atol=0)
+    notes = " ".join(gm.amp_report["notes"])
+    assert "float64" in notes and "no floating-point" not in notes
+
+
+class _IntoLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.proj(ids)
+
+
+@pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
+def test_integer_input_into_linear_is_a_usage_error_at_rewrite_time(capture):
+    """It rewrote fine and failed when called: 'mat1 and mat2 must have the same dtype'."""
+    ids = torch.arange(8).reshape(2, 4)
+    with pytest.raises(RuntimeError, match="same dtype"):
+        _IntoLinear()(ids)  # eager fails too: the model is wrong, not the rewrite
+    with pytest.raises(UsageError, match=r"node \w+ \(linear in module proj\) reads ids as "
+                                         r"torch.int64.*ids.float\(\)"):
+        amp_rewrite.rewrite(_IntoLinear(), (ids,), capture=capture)
+
+
+# ------------------------------------------------------------------ argument checks
+
+
+def _tiny() -> tuple[nn.Module, tuple[torch.Tensor]]:
+    return nn.Sequential(nn.Linear(4, 4), nn.ReLU()), (torch.randn(3, 4),)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"keep_fp32": 5}, r"keep_fp32=5: expected a string or a list of strings"),
+    ({"keep_fp32": ["lin*", 3]}, r"keep_fp32 holds 3 \(int\): expected strings"),
+    ({"device": "tpu"}, r"device='tpu': amp_rewrite has kernel facts for cuda, cpu only"),
+    ({"keep_io_types": "no"}, r"keep_io_types='no': expected True or False"),
+    ({"autocast_floor": None}, r"autocast_floor=None: expected True or False"),
+    ({"dtype": torch.float32}, r"dtype=torch.float32: expected a low-precision dtype"),
+    ({"dtype": "int8"}, r"dtype='int8': expected one of torch.float16"),
+    ({"mode": "training"}, r"mode='training': expected one of 'train', 'eval', 'both'"),
+])
+def test_bad_rewrite_arguments_are_usage_errors_at_the_call(kwargs, message):
+    """keep_fp32=5 raised a TypeError deep inside; device='tpu', keep_io_types='no' passed."""
+    model, inputs = _tiny()
+    with pytest.raises(UsageError, match=message):
+        amp_rewrite.rewrite(model, inputs, **kwargs)
+
+
+def test_amp_optimizer_and_rewrite_accept_the_same_dtype_spellings():
+    """AmpOptimizer(dtype='fp16') was refused while rewrite(dtype='fp16') worked."""
+    from amp_rewrite.training import AmpOptimizer
+
+    model, inputs = _tiny()
+    for spelling, want in (("fp16", torch.float16), ("bf16", torch.bfloat16),
+                           ("half", torch.float16), (torch.bfloat16, torch.bfloat16)):
+        gm = amp_rewrite.rewrite(model, inputs, dtype=spelling)
+        assert gm.amp_report["dtype"] == str(want).removeprefix("torch.")
+        optimizer = AmpOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dtype=spelling)
+        assert optimizer.dtype == want
+    for bad in (torch.float32, "fp32", torch.int8):
+        with pytest.raises(UsageError):
+            AmpOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dtype=bad)
+        with pytest.raises(UsageError):
+            amp_rewrite.rewrite(model, inputs, dtype=bad)
+
+
+def test_device_accepts_torch_device_and_index():
+    model, inputs = _tiny()
+    gm = amp_rewrite.rewrite(model, inputs, device=torch.device("cpu"))
+    assert gm.amp_report["device"] == "cpu"
+    assert amp_rewrite.rewrite(model, inputs, device="cuda:0").amp_report["device"] == "cuda"
