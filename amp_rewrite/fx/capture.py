@@ -7,15 +7,18 @@ returned graph owns its parameters (training it leaves the original alone).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
+import io
 import logging
 import os
 import re
+import sys
 import traceback
 import types
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -86,13 +89,45 @@ def capture(model: torch.nn.Module, example_inputs: Any,
     if mode not in CAPTURE_MODES:
         raise UsageError(f"capture={mode!r}: expected one of {CAPTURE_MODES}")
     check_signature(model, args, kwargs)
-    module = copy.deepcopy(model)
-    if mode == "export":
-        return _export(module, args, kwargs, export_dynamic_shapes(module, args, kwargs,
-                                                                   dynamic_shapes))
-    if dynamic_shapes not in (None, STATIC):
+    if mode != "export" and dynamic_shapes not in (None, STATIC):
         raise UsageError("dynamic_shapes needs capture='export'")
-    return _symbolic_trace(module, args, kwargs)
+    module = copy.deepcopy(model)
+    with quiet_torch_logs():
+        if mode == "export":
+            return _export(module, args, kwargs, export_dynamic_shapes(module, args, kwargs,
+                                                                       dynamic_shapes))
+        return _symbolic_trace(module, args, kwargs)
+
+
+@contextlib.contextmanager
+def quiet_torch_logs() -> Iterator[None]:
+    """Drop torch's log records while capturing: a failed capture logs fake-tensor
+    tracebacks and the partial graph (twice) before raising; our one error says it all.
+
+    A filter on the handlers, not logger levels: torch._logging gives many of its loggers
+    their own handler and level (propagate=False), and records reach handlers, not parent
+    filters.
+    """
+    loggers = [logger for name, logger in logging.root.manager.loggerDict.items()
+               if isinstance(logger, logging.Logger) and _is_torch_name(name)]
+    handlers = {h for logger in [logging.getLogger(), *loggers] for h in logger.handlers}
+    if logging.lastResort is not None:
+        handlers.add(logging.lastResort)
+    for handler in handlers:
+        handler.addFilter(_drop_torch_records)
+    try:
+        yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(_drop_torch_records)
+
+
+def _is_torch_name(name: str) -> bool:
+    return name == "torch" or name.startswith("torch.")
+
+
+def _drop_torch_records(record: logging.LogRecord) -> bool:
+    return not _is_torch_name(record.name)
 
 
 def export_dynamic_shapes(module: torch.nn.Module, args: tuple, kwargs: dict,
@@ -130,11 +165,15 @@ def _copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 def _export(module: torch.nn.Module, args: tuple, kwargs: dict,
             dynamic_shapes: Any) -> torch.fx.GraphModule:
+    printed = io.StringIO()
     try:
-        program = torch.export.export(module, args, kwargs, dynamic_shapes=dynamic_shapes,
-                                      strict=False)
+        with contextlib.redirect_stderr(printed):  # export prints the partial graph on error
+            program = torch.export.export(module, args, kwargs, dynamic_shapes=dynamic_shapes,
+                                          strict=False)
     except Exception as e:  # noqa: BLE001 - classified and re-raised with context below
+        log.debug("torch.export printed:\n%s", printed.getvalue())
         _raise_export_failure(module, args, kwargs, e)
+    sys.stderr.write(printed.getvalue())  # on success, pass through what it printed
     gm = program.module()
     _fix_mode(gm, module.training)
     return gm
@@ -150,8 +189,9 @@ def _fix_mode(gm: torch.fx.GraphModule, training: bool) -> None:
         if mode != training:
             raise UsageError(
                 f"this graph was captured in {captured} mode and torch.export fixed dropout "
-                f"and batch norm to it; call module.{'train' if mode else 'eval'}() before "
-                "amp_rewrite.rewrite(module, ...) to get a graph for that mode")
+                f"and batch norm to it; pass mode='both' to amp_rewrite.rewrite for one "
+                "module holding both graphs, or mode="
+                f"'{'train' if mode else 'eval'}' for a graph of that mode")
         return self
 
     gm.train = types.MethodType(set_mode, gm)
