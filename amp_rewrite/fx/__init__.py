@@ -102,7 +102,7 @@ def rewrite_graph(gm: torch.fx.GraphModule, *, dtype: torch.dtype | str = torch.
     device = arguments.device_type(device) or graph_device(gm)
     overlays = [default_rules_path("torch_cpu")] if device == "cpu" else []
     rule_set = load_rules("torch", extra_files=[*overlays, *listed(rules)])
-    foreign_notes = _prepare_dtypes(gm, _TORCH_DTYPES[low], rule_set, keep_io_types)
+    foreign_notes = _prepare_dtypes(gm, _TORCH_DTYPES[low], rule_set, keep_io_types, device)
     options = MixedPrecisionOptions(rule_set, _TORCH_DTYPES[low], low.max_finite,
                                     listed(keep_fp32), keep_io_types, device, autocast_floor)
     start = time.perf_counter()
@@ -140,9 +140,11 @@ def _check_rewrite_arguments(*, dtype: object, keep_fp32: object, keep_io_types:
 
 
 def _prepare_dtypes(gm: torch.fx.GraphModule, low: torch.dtype, rules: RuleSet,
-                    keep_io_types: bool) -> list[str]:
-    """Refuse integer data into GEMMs; adapt bf16/fp16/fp64-held models (``fx/guards.py``)."""
+                    keep_io_types: bool, device: str) -> list[str]:
+    """Refuse integer data into GEMMs; mark ops without a low kernel on ``device``; adapt
+    bf16/fp16/fp64-held models (``fx/guards.py``)."""
     guards.refuse_non_float_gemm_inputs(gm, rules)
+    guards.mark_missing_low_kernels(gm, low, rules, device)
     convert = guards.ConvertForeignFloats(low, keep_io_types)
     convert(gm)
     return convert.notes

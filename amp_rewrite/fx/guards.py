@@ -9,12 +9,18 @@
   such input, parameter and buffer gets a ``_to_copy(dtype=float32)`` that the plan then
   retypes to the target dtype where its readers run low, so lower-precision ops run in the
   target dtype and fp32 ops in fp32 (autocast upcasts the low inputs of its fp32 list). Graph
-  outputs are converted back to their original dtype (``keep_io_types``). float64 tensors are left alone, as
+  outputs are converted back to their original dtype (``keep_io_types``).
+* ``mark_missing_low_kernels``: on CPU, an op whose kernel has no float16/bfloat16 variant
+  (``avg_pool3d``) would make the rewritten graph fail when called. Torch keeps no queryable
+  table of the dtypes each kernel's ``AT_DISPATCH`` covers, so the op is run once on zeros of
+  the node's shapes in the low dtype (RNG state preserved, result cached per op and dtype); a
+  "not implemented for 'BFloat16'" answer marks the node, and the view keeps it fp32. float64 tensors are left alone, as
   autocast leaves them: a float64 model comes back unchanged, with a note that says so.
 """
 from __future__ import annotations
 
 import operator
+import re
 
 import torch
 from torch.fx import Node
@@ -24,7 +30,7 @@ from amp_rewrite.core import OpClass, RuleSet
 from amp_rewrite.errors import UsageError
 from amp_rewrite.fx import opkeys
 from amp_rewrite.fx.capture import refresh_fake_values
-from amp_rewrite.fx.view import is_cast, tensor_args
+from amp_rewrite.fx.view import NO_LOW_KERNEL, is_cast, tensor_args
 
 FOREIGN_TAG = "amp_rewrite_foreign_float"  # node.meta key on the conversions this pass adds
 _OTHER_LOW = {torch.float16: torch.bfloat16, torch.bfloat16: torch.float16}
@@ -162,3 +168,94 @@ def _written_sources(gm: torch.fx.GraphModule) -> set[Node]:
                 written |= {a for a in storage_aliases(target, gm)
                             if a.op in ("placeholder", "get_attr")}
     return written
+
+
+# ------------------------------------------------------------------ kernels lacking low dtypes
+
+_MISSING_DTYPE = re.compile(r"not implemented for '(Half|BFloat16)'")
+_PROBED_CLASSES = {OpClass.GRAY, OpClass.CLEAR}  # allow: CPU autocast runs them low already
+_MAX_PROBE_ELEMENTS = 1 << 24  # larger inputs are not materialised; such ops stay unprobed
+
+
+def mark_missing_low_kernels(gm: torch.fx.GraphModule, low: torch.dtype, rules: RuleSet,
+                             device: str) -> list[str]:
+    """Mark (``NO_LOW_KERNEL``) the ops that cannot run in ``low`` on ``device``; names them."""
+    if device != "cpu":
+        return []  # CUDA kernels cover fp16/bf16 for every op its autocast lists
+    marked = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not _is_torch_op(node.target) or is_cast(node):
+            continue
+        if rules.class_of(opkeys.op_key(node, gm)) not in _PROBED_CLASSES:
+            continue
+        if not any(_dtype(arg) == torch.float32 or _dtype(arg) == low
+                   for _, arg in tensor_args(node)):
+            continue
+        if _lacks_low_kernel(node, low):
+            node.meta[NO_LOW_KERNEL] = (f"{opkeys.op_key(node, gm)} has no {low} kernel on "
+                                        "CPU (probed), so it runs in float32")
+            marked.append(node.name)
+    return marked
+
+
+def _is_torch_op(target: object) -> bool:
+    """ATen overloads and torch's own functions: no side effects beyond their outputs (a
+    wrapped user function in a symbolic_trace graph could do anything, so it is not run)."""
+    if isinstance(target, torch._ops.OpOverload):
+        return True
+    module = getattr(target, "__module__", None) or ""
+    return callable(target) and (module == "torch" or module.startswith("torch."))
+
+
+def _lacks_low_kernel(node: Node, low: torch.dtype) -> bool:
+    cached = _PROBES.get((node.target, low))
+    if cached is not None:
+        return cached
+    args = _probe_arguments(node, low)
+    if args is None:
+        return False
+    answer = _probe(node.target, low, *args)
+    _PROBES[(node.target, low)] = answer
+    return answer
+
+
+_PROBES: dict[tuple[object, torch.dtype], bool] = {}
+
+
+def _probe_arguments(node: Node, low: torch.dtype) -> tuple[tuple, dict] | None:
+    """Real zero tensors shaped like the node's inputs (float ones in ``low``), or None."""
+    too_big = False
+
+    def materialise(arg: object) -> object:
+        nonlocal too_big
+        if not isinstance(arg, Node):
+            return arg
+        val = arg.meta.get("val")
+        if isinstance(val, torch.SymInt | torch.SymFloat | torch.SymBool):
+            return val.node.hint
+        if not isinstance(val, torch.Tensor):
+            return val
+        shape = [int(s.node.hint) if isinstance(s, torch.SymInt) else int(s) for s in val.shape]
+        if torch.Size(shape).numel() > _MAX_PROBE_ELEMENTS:
+            too_big = True
+            return None
+        dtype = low if val.dtype in (torch.float32, low) else val.dtype
+        return torch.zeros(shape, dtype=dtype)
+
+    from torch.fx.node import map_aggregate
+
+    args = map_aggregate(node.args, materialise)
+    kwargs = map_aggregate(node.kwargs, materialise)
+    return None if too_big else (args, kwargs)
+
+
+def _probe(target: object, low: torch.dtype, args: tuple, kwargs: dict) -> bool:
+    """True when running ``target`` reports a missing ``low`` kernel (nothing else counts)."""
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        try:
+            target(*args, **kwargs)
+        except (RuntimeError, NotImplementedError) as e:
+            return bool(_MISSING_DTYPE.search(str(e)))
+        except Exception:  # noqa: BLE001 - any other failure says nothing about dtypes
+            return False
+    return False
