@@ -481,3 +481,21 @@ def test_lstm_cell_on_cpu_is_no_less_precise_than_cpu_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         autocast_error = (model(xs).float() - want).abs().max().item()
     assert (gm(xs) - want).abs().max().item() <= autocast_error + 1e-6
+
+
+# ------------------------------------------------------------------ CLI
+
+
+@pytest.mark.parametrize(("device", "grid_sampler"), [("cuda", "gray"), ("cpu", "deny")])
+def test_cli_lists_torch_rules_with_their_sources(device, grid_sampler, capsys):
+    """`amp-rewrite --list-rules` listed only the ONNX rules."""
+    from amp_rewrite.cli import main
+
+    assert main(["--list-rules", "--torch", device]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    linear = next(line for line in lines if line.split()[1] == "linear")
+    assert linear.startswith("allow") and linear.endswith("torch.toml]")
+    grid = next(line for line in lines if line.split()[1] == "grid_sampler")
+    assert grid.startswith(grid_sampler)
+    assert grid.endswith("torch_cpu.toml]" if device == "cpu" else "torch.toml]")
+    assert not any(line.split()[1] == "MatMul" for line in lines)  # no ONNX rules
