@@ -437,15 +437,17 @@ class _WarpNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.conv = nn.Conv2d(3, 3, 3, padding=1)
+        self.flow = nn.Linear(2, 2)  # the grid comes out of a low op too
 
     def forward(self, x: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
-        return nn.functional.grid_sample(self.conv(x), grid, align_corners=False)
+        return nn.functional.grid_sample(self.conv(x), self.flow(grid), align_corners=False)
 
 
 def test_grid_sample_runs_fp32_on_cpu_like_cpu_autocast():
     """grid_sampler ran low on CPU: bf16 rel. error 0.13 where autocast's is 1.8e-3."""
     gen = torch.Generator().manual_seed(0)
     x, grid = torch.randn(2, 3, 16, 16, generator=gen), torch.rand(2, 8, 8, 2, generator=gen) * 2 - 1
+    torch.manual_seed(0)
     model = _WarpNet()
     gm = amp_rewrite.rewrite(copy.deepcopy(model), (x, grid), dtype=torch.bfloat16)
     record = next(r for r in gm.amp_report["nodes"] if r["op_type"].startswith("grid_sampler"))
@@ -456,6 +458,9 @@ def test_grid_sample_runs_fp32_on_cpu_like_cpu_autocast():
     ours = (gm(x, grid) - want).abs().max().item()
     theirs = (autocast_out.float() - want).abs().max().item()
     assert ours <= theirs * 1.5 + 1e-6
+    cuda_rules = amp_rewrite.rewrite(copy.deepcopy(model), (x, grid), dtype=torch.bfloat16,
+                                     device="cuda")  # grid_sampler follows its low inputs
+    assert (cuda_rules(x, grid) - want).abs().max().item() > 1.5 * ours
 
 
 def test_lstm_cell_on_cpu_is_no_less_precise_than_cpu_autocast():
