@@ -19,9 +19,9 @@ from amp_rewrite.core import LowDtype, RuleSet, load_rules
 from amp_rewrite.core.rules import default_rules_path
 from amp_rewrite.core.runtime import gc_paused, listed
 from amp_rewrite.errors import UsageError
+from amp_rewrite.fx import guards
 from amp_rewrite.fx.capture import capture as capture_module
 from amp_rewrite.fx.capture import refresh_fake_values
-from amp_rewrite.fx import guards
 from amp_rewrite.fx.fusion import FuseTanhGelu
 from amp_rewrite.fx.modes import TrainEvalModule, in_mode
 from amp_rewrite.fx.passes import (FunctionalizeInPlace, InlineModules, MixedPrecisionOptions,

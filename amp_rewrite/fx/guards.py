@@ -184,14 +184,15 @@ def mark_missing_low_kernels(gm: torch.fx.GraphModule, low: torch.dtype, rules: 
         return []  # CUDA kernels cover fp16/bf16 for every op its autocast lists
     marked = []
     for node in gm.graph.nodes:
-        if node.op != "call_function" or not _is_torch_op(node.target) or is_cast(node):
+        target = _probe_target(node, gm)
+        if target is None or is_cast(node):
             continue
         if rules.class_of(opkeys.op_key(node, gm)) not in _PROBED_CLASSES:
             continue
         if not any(_dtype(arg) == torch.float32 or _dtype(arg) == low
                    for _, arg in tensor_args(node)):
             continue
-        if _lacks_low_kernel(node, low):
+        if _lacks_low_kernel(node, target, low):
             node.meta[NO_LOW_KERNEL] = (f"{opkeys.op_key(node, gm)} has no {low} kernel on "
                                         "CPU (probed), so it runs in float32")
             marked.append(node.name)
@@ -207,15 +208,29 @@ def _is_torch_op(target: object) -> bool:
     return callable(target) and (module == "torch" or module.startswith("torch."))
 
 
-def _lacks_low_kernel(node: Node, low: torch.dtype) -> bool:
-    cached = _PROBES.get((node.target, low))
+def _probe_target(node: Node, gm: torch.fx.GraphModule) -> object | None:
+    """What to run for ``node``: a torch op, or a parameter-free ``torch.nn`` module
+    (``nn.AvgPool3d`` in a symbolic_trace graph); None for anything else."""
+    if node.op == "call_function" and _is_torch_op(node.target):
+        return node.target
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        if type(module).__module__.startswith("torch.nn.") and not any(
+                True for _ in module.parameters()):
+            return module
+    return None
+
+
+def _lacks_low_kernel(node: Node, target: object, low: torch.dtype) -> bool:
+    key = (type(target) if isinstance(target, torch.nn.Module) else target, low)
+    cached = _PROBES.get(key)
     if cached is not None:
         return cached
     args = _probe_arguments(node, low)
     if args is None:
         return False
-    answer = _probe(node.target, low, *args)
-    _PROBES[(node.target, low)] = answer
+    answer = _probe(target, low, *args)
+    _PROBES[key] = answer
     return answer
 
 

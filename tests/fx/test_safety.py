@@ -418,6 +418,23 @@ class _Pool3d(nn.Module):
         return nn.functional.avg_pool3d(torch.relu(x * 2.0), 2)
 
 
+class _Pool3dModule(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = nn.AvgPool3d(2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pool(torch.relu(x * 2.0))
+
+
+def test_modules_without_a_low_cpu_kernel_stay_fp32_under_symbolic_trace():
+    x = torch.randn(2, 3, 4, 4, 4)
+    gm = amp_rewrite.rewrite(_Pool3dModule(), (x,), dtype=torch.bfloat16,
+                             capture="symbolic_trace", keep_io_types=False)
+    torch.testing.assert_close(gm(x), _Pool3dModule()(x), rtol=1e-2, atol=1e-2)
+    assert "no torch.bfloat16 kernel" in " ".join(amp_rewrite.explain(gm, "pool"))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_ops_without_a_low_cpu_kernel_stay_fp32_on_cpu(dtype):
     """avg_pool3d was planned low and the rewritten graph could not run on CPU."""
