@@ -29,7 +29,9 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 from amp_rewrite.core import OpClass, RuleSet
 from amp_rewrite.errors import UsageError
 from amp_rewrite.fx import opkeys
+from amp_rewrite.fx.apply import set_arg
 from amp_rewrite.fx.capture import refresh_fake_values
+from amp_rewrite.fx.passes import storage_aliases
 from amp_rewrite.fx.view import NO_LOW_KERNEL, is_cast, tensor_args
 
 FOREIGN_TAG = "amp_rewrite_foreign_float"  # node.meta key on the conversions this pass adds
@@ -128,7 +130,6 @@ class ConvertForeignFloats(PassBase):
             conversion = graph.call_function(_TO_COPY, (value,), {"dtype": self.foreign})
         conversion.meta[FOREIGN_TAG] = True
         conversion.meta["val"] = value.meta["val"].to(self.foreign)
-        from amp_rewrite.fx.apply import set_arg  # apply imports view; no cycle at call time
         set_arg(output, path, conversion)
 
     def _describe(self, gm: torch.fx.GraphModule, converted: list[Node]) -> list[str]:
@@ -141,12 +142,10 @@ class ConvertForeignFloats(PassBase):
                          f"torch.autocast(dtype={self.low}) converts them: to {self.low} for "
                          "ops that run low, to float32 for ops that need it"
                          + (f"; outputs keep {self.foreign}" if self.keep_io_types else ""))
-        if torch.float64 in floats:
-            notes.append("float64 tensors are left as they are (torch.autocast never casts "
-                         "float64)" + ("; the model has no float32 or low-precision tensor, "
-                                       "so it is returned unchanged: convert it to float32 "
-                                       "first to rewrite it" if floats == {torch.float64}
-                                       else ""))
+        if floats == {torch.float64}:
+            notes.append("the model's floating-point tensors are all float64, which "
+                         "torch.autocast never casts either: returned unchanged (convert it to "
+                         "float32 first to rewrite it)")
         return notes
 
 
@@ -157,8 +156,6 @@ def _is_input_guard(node: Node) -> bool:
 
 def _written_sources(gm: torch.fx.GraphModule) -> set[Node]:
     """Inputs, parameters and buffers some node writes in place (through views too)."""
-    from amp_rewrite.fx.passes import storage_aliases  # passes imports this module's users
-
     written: set[Node] = set()
     for node in gm.graph.nodes:
         if node.op in ("call_function", "call_method", "call_module") \
