@@ -63,6 +63,9 @@ def rewrite(model: torch.nn.Module, example_inputs: Any = None, *,
                              device=device, autocast_floor=autocast_floor, mode=mode)
     if example_inputs is None and not isinstance(model, torch.fx.GraphModule):
         raise UsageError("example_inputs is required to capture an nn.Module")
+    if mode is not None and isinstance(model, torch.fx.GraphModule):
+        raise UsageError("mode= needs an nn.Module to capture; a GraphModule is taken as it "
+                         "is, in the mode it was captured in")
     if mode == "both":
         return _rewrite_train_and_eval(
             model, example_inputs, example_kwargs=example_kwargs, dtype=dtype, capture=capture,

@@ -335,6 +335,12 @@ def test_single_mode_capture_explains_how_to_get_the_other_mode():
         gm.train()
 
 
+def test_mode_on_a_graph_module_is_a_usage_error():
+    gm = amp_rewrite.rewrite(_Net(), (torch.randn(4, 4, 16),))
+    with pytest.raises(UsageError, match="mode= needs an nn.Module"):
+        amp_rewrite.rewrite(gm, mode="both")
+
+
 def test_mode_leaves_the_users_module_flags_alone():
     model = _Net()
     model.bn.eval()  # mixed flags on purpose
