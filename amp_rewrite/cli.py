@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--explain", metavar="NODE", action="append", default=[],
                    help="print the chain of reasons for one node")
     p.add_argument("--list-rules", action="store_true", help="print the effective op lists")
+    p.add_argument("--torch", nargs="?", const="cuda", choices=["cuda", "cpu"], metavar="DEVICE",
+                   help="with --list-rules: the torch.fx rules instead of the ONNX ones, for "
+                   "DEVICE cuda (default) or cpu (adds the torch_cpu.toml overlay)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
     p.add_argument("-v", "--verbose", action="store_true", help="log details")
     return p
@@ -159,10 +162,20 @@ def _list_rules(args) -> int:
     from amp_rewrite.core import load_rules
     from amp_rewrite.onnx.passes import known_op_keys
 
-    rules = load_rules("onnx", args.rules, known_ops=known_op_keys())
+    rules = (_torch_rules(args) if args.torch
+             else load_rules("onnx", args.rules, known_ops=known_op_keys()))
     for entry in rules.entries():
         print(f"{entry.op_class.value:6} {entry.op:40} {entry.reason}  [{entry.source}]")
     return 0
+
+
+def _torch_rules(args):
+    """The rules ``amp_rewrite.rewrite`` uses on ``args.torch`` (fx/__init__.py order)."""
+    from amp_rewrite.core import load_rules
+    from amp_rewrite.core.rules import default_rules_path
+
+    overlays = [default_rules_path("torch_cpu")] if args.torch == "cpu" else []
+    return load_rules("torch", extra_files=[*overlays, *args.rules])
 
 
 @dataclass

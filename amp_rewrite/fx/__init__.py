@@ -14,17 +14,20 @@ from typing import Any
 
 import torch
 
-from amp_rewrite.core import LowDtype, load_rules
+from amp_rewrite import arguments
+from amp_rewrite.core import LowDtype, RuleSet, load_rules
 from amp_rewrite.core.rules import default_rules_path
 from amp_rewrite.core.runtime import gc_paused, listed
 from amp_rewrite.errors import UsageError
+from amp_rewrite.fx import guards
 from amp_rewrite.fx.capture import capture as capture_module
 from amp_rewrite.fx.capture import refresh_fake_values
 from amp_rewrite.fx.fusion import FuseTanhGelu
+from amp_rewrite.fx.modes import TrainEvalModule, in_mode
 from amp_rewrite.fx.passes import (FunctionalizeInPlace, InlineModules, MixedPrecisionOptions,
                                    MixedPrecisionPass)
 
-__all__ = ["explain", "rewrite", "rewrite_graph"]
+__all__ = ["TrainEvalModule", "explain", "rewrite", "rewrite_graph"]
 
 log = logging.getLogger(__name__)
 
@@ -37,22 +40,43 @@ def rewrite(model: torch.nn.Module, example_inputs: Any = None, *,
             dtype: torch.dtype | str = torch.float16, capture: str = "export",
             dynamic_shapes: Any = None, rules: Iterable[str] = (),
             keep_fp32: Iterable[str] = (), keep_io_types: bool = True,
-            device: str | None = None, autocast_floor: bool = True) -> torch.fx.GraphModule:
+            device: str | None = None, autocast_floor: bool = True,
+            mode: str | None = None) -> torch.fx.GraphModule | TrainEvalModule:
     """Capture ``model`` and return a trainable mixed-precision ``GraphModule``.
 
     ``dtype``: torch.float16 / torch.bfloat16 (or 'fp16' / 'bf16'). ``capture``: 'export'
     (default) or 'symbolic_trace'; a GraphModule is taken as is (``example_inputs`` only needed
-    when its nodes carry no ``meta['val']``). ``dynamic_shapes``: passed to
-    ``torch.export.export``. ``rules``: extra rule files. ``keep_fp32``: fnmatch patterns on node
-    names or module paths kept fp32. ``keep_io_types``: outputs keep their dtypes. ``device``:
-    device type the result will run on ('cuda', 'cpu'); default: that of the example values.
-    On 'cpu' the packaged ``torch_cpu.toml`` overlay applies (see ``rewrite_graph``).
-    ``autocast_floor``: never run an op lower than ``torch.autocast`` would (``fx/floor.py``);
-    False leaves those ops to the min cut alone (fewer cast bytes, larger error).
+    when its nodes carry no ``meta['val']``). ``dynamic_shapes``: default every dimension
+    export can keep symbolic (batch, sequence: a smaller last batch runs), ``"static"`` for
+    the example shapes only, or a ``torch.export`` spec. ``rules``: extra rule files.
+    ``keep_fp32``: fnmatch patterns on node names or module paths kept fp32.
+    ``keep_io_types``: outputs keep their dtypes. ``device``: device type the result will run
+    on ('cuda', 'cpu'); default: that of the example values. On 'cpu' the packaged
+    ``torch_cpu.toml`` overlay applies (see ``rewrite_graph``). ``autocast_floor``: never run
+    an op lower than ``torch.autocast`` of that device would (``fx/floor.py``); False leaves
+    those ops to the min cut alone (fewer cast bytes, larger error). ``mode``: None (the
+    module's current train/eval mode), 'train', 'eval', or 'both': a ``TrainEvalModule``
+    holding both captures on shared parameters, switched by ``.train()`` / ``.eval()``.
     The user's module is never mutated; the result owns copies of its parameters.
     """
+    _check_rewrite_arguments(dtype=dtype, keep_fp32=keep_fp32, keep_io_types=keep_io_types,
+                             device=device, autocast_floor=autocast_floor, mode=mode)
     if example_inputs is None and not isinstance(model, torch.fx.GraphModule):
         raise UsageError("example_inputs is required to capture an nn.Module")
+    if mode is not None and isinstance(model, torch.fx.GraphModule):
+        raise UsageError("mode= needs an nn.Module to capture; a GraphModule is taken as it "
+                         "is, in the mode it was captured in")
+    if mode == "both":
+        return _rewrite_train_and_eval(
+            model, example_inputs, example_kwargs=example_kwargs, dtype=dtype, capture=capture,
+            dynamic_shapes=dynamic_shapes, rules=rules, keep_fp32=keep_fp32,
+            keep_io_types=keep_io_types, device=device, autocast_floor=autocast_floor)
+    if mode is not None:
+        with in_mode(model, mode):
+            return rewrite(model, example_inputs, example_kwargs=example_kwargs, dtype=dtype,
+                           capture=capture, dynamic_shapes=dynamic_shapes, rules=rules,
+                           keep_fp32=keep_fp32, keep_io_types=keep_io_types, device=device,
+                           autocast_floor=autocast_floor)
     start = time.perf_counter()
     gm = capture_module(model, () if example_inputs is None else example_inputs,
                         example_kwargs, mode=capture, dynamic_shapes=dynamic_shapes)
@@ -75,10 +99,13 @@ def rewrite_graph(gm: torch.fx.GraphModule, *, dtype: torch.dtype | str = torch.
     internally (norms, softmax, interpolation: CPU autocast runs them low too), norms read
     fp32 weights with low data, and ``softmax(dtype=float32)`` counts its input conversion.
     """
+    _check_rewrite_arguments(dtype=dtype, keep_fp32=keep_fp32, keep_io_types=keep_io_types,
+                             device=device, autocast_floor=autocast_floor)
     low = LowDtype.parse(dtype)
-    device = device or graph_device(gm)
+    device = arguments.device_type(device) or graph_device(gm)
     overlays = [default_rules_path("torch_cpu")] if device == "cpu" else []
     rule_set = load_rules("torch", extra_files=[*overlays, *listed(rules)])
+    foreign_notes = _prepare_dtypes(gm, _TORCH_DTYPES[low], rule_set, keep_io_types, device)
     options = MixedPrecisionOptions(rule_set, _TORCH_DTYPES[low], low.max_finite,
                                     listed(keep_fp32), keep_io_types, device, autocast_floor)
     start = time.perf_counter()
@@ -93,9 +120,52 @@ def rewrite_graph(gm: torch.fx.GraphModule, *, dtype: torch.dtype | str = torch.
     gm.meta[EXPLAIN_KEY] = amp.explanations()
     gm.amp_report = {**amp.report(), "device": device,
                      "seconds": round(time.perf_counter() - start, 4)}
+    _true_notes(gm.amp_report, foreign_notes)
     for note in gm.amp_report["notes"]:
         log.warning("%s", note)
     return gm
+
+
+# ------------------------------------------------- issue 18: arguments, dtypes, modes
+
+
+def _check_rewrite_arguments(*, dtype: object, keep_fp32: object, keep_io_types: object,
+                             device: object, autocast_floor: object,
+                             mode: object = None) -> None:
+    """Wrong types fail here, in one line, not deep inside the passes (``arguments``)."""
+    arguments.low_dtype(dtype)
+    arguments.patterns(keep_fp32, name="keep_fp32")
+    arguments.flag(keep_io_types, name="keep_io_types")
+    arguments.flag(autocast_floor, name="autocast_floor")
+    arguments.device_type(device)
+    if mode is not None:
+        arguments.choice(mode, arguments.MODES, name="mode")
+
+
+def _prepare_dtypes(gm: torch.fx.GraphModule, low: torch.dtype, rules: RuleSet,
+                    keep_io_types: bool, device: str) -> list[str]:
+    """Refuse integer data into GEMMs; mark ops without a low kernel on ``device``; adapt
+    bf16/fp16/fp64-held models (``fx/guards.py``)."""
+    guards.refuse_non_float_gemm_inputs(gm, rules)
+    guards.mark_missing_low_kernels(gm, low, rules, device)
+    convert = guards.ConvertForeignFloats(low, keep_io_types)
+    convert(gm)
+    return convert.notes
+
+
+def _true_notes(report: dict, foreign_notes: list[str]) -> None:
+    """Replace the generic 'no floating-point tensors' note when the model had some."""
+    if foreign_notes:
+        report["notes"] = [n for n in report["notes"] if "no floating-point tensors" not in n]
+        report["notes"][:0] = foreign_notes
+
+
+def _rewrite_train_and_eval(model: torch.nn.Module, example_inputs: Any,
+                            **options: Any) -> TrainEvalModule:
+    """Both captures, sharing one set of parameters and buffers (``fx/modes.py``)."""
+    graphs = {mode: rewrite(model, example_inputs, mode=mode, **options)
+              for mode in ("train", "eval")}
+    return TrainEvalModule(graphs["train"], graphs["eval"], training=model.training)
 
 
 def graph_device(gm: torch.fx.GraphModule) -> str:

@@ -7,19 +7,22 @@ returned graph owns its parameters (training it leaves the original alone).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
+import io
 import logging
 import os
 import re
+import sys
 import traceback
 import types
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
@@ -28,6 +31,11 @@ from amp_rewrite.errors import CaptureError, UsageError
 log = logging.getLogger(__name__)
 
 CAPTURE_MODES = ("export", "symbolic_trace")
+STATIC = "static"  # dynamic_shapes= value for a graph specialised to the example shapes
+_MAX_SEQUENCE_RANK = 3  # inputs of higher rank get a dynamic batch dimension only
+_DATA_DEPENDENT_FIX = ("it returns a Python value computed from tensor contents (torch.equal, "
+                       ".item(), .tolist()), which no captured graph can hold; compute it as a "
+                       "tensor instead (torch.equal(x, y) -> (x == y).all())")
 
 # export's message names the user's line after this header (torch >= 2.5).
 _USER_FRAME = re.compile(
@@ -65,7 +73,12 @@ def check_signature(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
 def capture(model: torch.nn.Module, example_inputs: Any,
             example_kwargs: Mapping[str, Any] | None = None, *, mode: str = "export",
             dynamic_shapes: Any = None) -> torch.fx.GraphModule:
-    """A GraphModule for ``model`` with fake-tensor ``meta['val']`` on every node."""
+    """A GraphModule for ``model`` with fake-tensor ``meta['val']`` on every node.
+
+    ``dynamic_shapes``: None (default) makes export keep every dimension it can symbolic
+    (``export_dynamic_shapes``), ``"static"`` specialises to the example shapes, anything else
+    goes to ``torch.export.export`` as is.
+    """
     if not isinstance(model, torch.nn.Module):
         raise UsageError(f"expected a torch.nn.Module or GraphModule, got {type(model).__name__}")
     args, kwargs = normalize_inputs(example_inputs, example_kwargs)
@@ -77,12 +90,76 @@ def capture(model: torch.nn.Module, example_inputs: Any,
     if mode not in CAPTURE_MODES:
         raise UsageError(f"capture={mode!r}: expected one of {CAPTURE_MODES}")
     check_signature(model, args, kwargs)
-    module = copy.deepcopy(model)
-    if mode == "export":
-        return _export(module, args, kwargs, dynamic_shapes)
-    if dynamic_shapes is not None:
+    if mode != "export" and dynamic_shapes not in (None, STATIC):
         raise UsageError("dynamic_shapes needs capture='export'")
-    return _symbolic_trace(module, args, kwargs)
+    module = copy.deepcopy(model)
+    with quiet_torch_logs():
+        if mode == "export":
+            return _export(module, args, kwargs, export_dynamic_shapes(module, args, kwargs,
+                                                                       dynamic_shapes))
+        return _symbolic_trace(module, args, kwargs)
+
+
+@contextlib.contextmanager
+def quiet_torch_logs() -> Iterator[None]:
+    """Drop torch's log records while capturing: a failed capture logs fake-tensor
+    tracebacks and the partial graph (twice) before raising; our one error says it all.
+
+    A filter on the handlers, not logger levels: torch._logging gives many of its loggers
+    their own handler and level (propagate=False), and records reach handlers, not parent
+    filters.
+    """
+    loggers = [logger for name, logger in logging.root.manager.loggerDict.items()
+               if isinstance(logger, logging.Logger) and _is_torch_name(name)]
+    handlers = {h for logger in [logging.getLogger(), *loggers] for h in logger.handlers}
+    if logging.lastResort is not None:
+        handlers.add(logging.lastResort)
+    for handler in handlers:
+        handler.addFilter(_drop_torch_records)
+    try:
+        yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(_drop_torch_records)
+
+
+def _is_torch_name(name: str) -> bool:
+    return name == "torch" or name.startswith("torch.")
+
+
+def _drop_torch_records(record: logging.LogRecord) -> bool:
+    return not _is_torch_name(record.name)
+
+
+def export_dynamic_shapes(module: torch.nn.Module, args: tuple, kwargs: dict,
+                          requested: Any) -> Any:
+    """What ``torch.export`` gets: the user's spec, None for ``"static"``, else ``Dim.AUTO``
+    on the batch and sequence dimensions of every tensor input (``_auto_dims``).
+
+    AUTO lets export keep a dimension symbolic unless the model fixes it (a Linear's features,
+    a conv's channels, size-1 dimensions), so the batch and sequence dimensions of a training
+    loop's smaller last batch or longer sentence pass the graph's guards.
+    """
+    if requested == STATIC:
+        return None
+    if requested is not None:
+        return requested
+    try:
+        bound = inspect.signature(module.forward).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return None
+    return {name: torch.utils._pytree.tree_map(_auto_dims, value)
+            for name, value in bound.arguments.items()}
+
+
+def _auto_dims(value: Any) -> Any:
+    """Batch and sequence: every dimension of a tensor of rank <= 3 ((B, T), (B, T, C)),
+    the batch only of images and volumes (rank >= 4), whose spatial sizes a training loop
+    keeps fixed and whose symbolic windowing costs export minutes (Swin: 165 s vs 6 s)."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return None
+    dims = range(value.dim()) if value.dim() <= _MAX_SEQUENCE_RANK else range(1)
+    return dict.fromkeys(dims, torch.export.Dim.AUTO)
 
 
 def _copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -93,11 +170,15 @@ def _copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 def _export(module: torch.nn.Module, args: tuple, kwargs: dict,
             dynamic_shapes: Any) -> torch.fx.GraphModule:
+    printed = io.StringIO()
     try:
-        program = torch.export.export(module, args, kwargs, dynamic_shapes=dynamic_shapes,
-                                      strict=False)
+        with contextlib.redirect_stderr(printed):  # export prints the partial graph on error
+            program = torch.export.export(module, args, kwargs, dynamic_shapes=dynamic_shapes,
+                                          strict=False)
     except Exception as e:  # noqa: BLE001 - classified and re-raised with context below
+        log.debug("torch.export printed:\n%s", printed.getvalue())
         _raise_export_failure(module, args, kwargs, e)
+    sys.stderr.write(printed.getvalue())  # on success, pass through what it printed
     gm = program.module()
     _fix_mode(gm, module.training)
     return gm
@@ -113,8 +194,9 @@ def _fix_mode(gm: torch.fx.GraphModule, training: bool) -> None:
         if mode != training:
             raise UsageError(
                 f"this graph was captured in {captured} mode and torch.export fixed dropout "
-                f"and batch norm to it; call module.{'train' if mode else 'eval'}() before "
-                "amp_rewrite.rewrite(module, ...) to get a graph for that mode")
+                f"and batch norm to it; pass mode='both' to amp_rewrite.rewrite for one "
+                "module holding both graphs, or mode="
+                f"'{'train' if mode else 'eval'}' for a graph of that mode")
         return self
 
     gm.train = types.MethodType(set_mode, gm)
@@ -129,6 +211,10 @@ def _raise_export_failure(module: torch.nn.Module, args: tuple, kwargs: dict,
         raise UsageError(f"example inputs do not fit {type(module).__name__}: "
                          f"{_first_line(eager_error)}") from error
     construct = _user_construct(error)
+    if isinstance(error, DataDependentOutputException):
+        raise CaptureError(f"torch.export cannot capture {type(module).__name__}: "
+                           f"{_first_line(error)} {construct}".rstrip()
+                           + f"; {_DATA_DEPENDENT_FIX}") from error
     if isinstance(error, GuardOnDataDependentSymNode):
         raise CaptureError(
             f"torch.export cannot capture {type(module).__name__}: data-dependent control flow "
@@ -167,6 +253,7 @@ def _first_line(error: Exception) -> str:
 
 
 def _symbolic_trace(module: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.GraphModule:
+    versions = _state_versions(module)
     try:
         gm = torch.fx.symbolic_trace(module)
     except torch.fx.proxy.TraceError as e:
@@ -179,8 +266,57 @@ def _symbolic_trace(module: torch.nn.Module, args: tuple, kwargs: dict) -> torch
             f"torch.fx.symbolic_trace cannot capture {type(module).__name__}: "
             f"{_first_line(e)} {_model_frame(e)}(the code needs concrete values, which "
             "symbolic tracing does not have); use capture='export'") from e
-    propagate_fake(gm, args, kwargs)
+    _refuse_eager_state_writes(module, versions)
+    try:
+        propagate_fake(gm, args, kwargs)
+    except UsageError as e:
+        if _eager_error(module, args, kwargs) is not None:
+            raise
+        # The module accepts these inputs, so the traced graph lost something: name it.
+        raise CaptureError(f"torch.fx.symbolic_trace cannot capture {type(module).__name__}: "
+                           f"{_failed_construct(e)}") from e.__cause__
     return gm
+
+
+def _failed_construct(error: UsageError) -> str:
+    node = getattr(error, "node", None)
+    cause = error.__cause__
+    what = _first_line(cause) if cause is not None else str(error)
+    if node is None:
+        return f"the traced graph fails where the module runs: {what}"
+    data_dependent = isinstance(cause, (DataDependentOutputException,
+                                        GuardOnDataDependentSymNode))
+    because = (_DATA_DEPENDENT_FIX if data_dependent else "the traced graph lost what made it "
+               "valid eagerly (e.g. a torch.no_grad() block around an in-place update); use "
+               "capture='export'")
+    return f"node {node.name} ({_target_name(node)}) fails: {what}; {because}"
+
+
+def _target_name(node: torch.fx.Node) -> str:
+    target = node.target
+    if isinstance(target, str):
+        return f"{node.op} {target}"
+    module = getattr(target, "__module__", "") or ""
+    name = getattr(target, "__name__", str(target))
+    return f"{module.replace('torch._C._VariableFunctions', 'torch')}.{name}".lstrip(".")
+
+
+def _state_versions(module: torch.nn.Module) -> dict[str, int]:
+    """Version counters of the parameters and buffers: every in-place write bumps one."""
+    return {name: t._version for name, t in module.state_dict(keep_vars=True).items()}
+
+
+def _refuse_eager_state_writes(module: torch.nn.Module, before: dict[str, int]) -> None:
+    """symbolic_trace runs ``self.buf.mul_(0.9)`` on the real buffer instead of recording it
+    (no operand is a Proxy), so the graph would silently lack the update."""
+    written = [name for name, t in module.state_dict(keep_vars=True).items()
+               if t._version != before.get(name, t._version)]
+    if written:
+        raise CaptureError(
+            f"torch.fx.symbolic_trace cannot capture {type(module).__name__}: it ran the "
+            f"in-place update of {', '.join(written)} during tracing instead of recording it "
+            "(an in-place op on a parameter or buffer whose operands are constants); use "
+            "capture='export'")
 
 
 def _model_frame(error: Exception) -> str:
@@ -221,11 +357,24 @@ def propagate_fake(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> None:
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     flat = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
             for a in flat_inputs(gm, args, kwargs)]
+    prop = _NodeTrackingFakeProp(gm, mode)
     try:
         with mode:
-            FakeTensorProp(gm, mode).run(*flat, enable_io_processing=False)
+            prop.run(*flat, enable_io_processing=False)
     except Exception as e:  # noqa: BLE001 - shape/dtype errors mean the inputs do not fit
-        raise UsageError(f"example inputs do not fit the graph: {_first_line(e)}") from e
+        error = UsageError(f"example inputs do not fit the graph: {_first_line(e)}")
+        error.node = prop.current  # the failing node, for callers that know better
+        raise error from e
+
+
+class _NodeTrackingFakeProp(FakeTensorProp):
+    """FakeTensorProp that remembers the node it is running, to name it in errors."""
+
+    current: torch.fx.Node | None = None
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        self.current = n
+        return super().run_node(n)
 
 
 def refresh_fake_values(gm: torch.fx.GraphModule) -> None:

@@ -5,7 +5,8 @@
   be cast in-graph. The module tree, and so ``state_dict()``, is unchanged.
 * ``FunctionalizeInPlace``: an in-place op on an intermediate tensor that nothing reads
   afterwards (ResNet's ``x += shortcut``) → its out-of-place form, so it can be cast freely.
-  In-place ops on inputs, parameters and buffers, or on tensors read later, stay.
+  In-place ops on inputs, parameters and buffers (also through views and through the result
+  of another in-place op: ``buf.mul_(0.9).add_(x)``), or on tensors read later, stay.
 * ``MixedPrecisionPass``: view → core plan → apply → refreshed ``meta['val']``; the plan and
   the applied result are kept on the pass for reports.
 
@@ -121,23 +122,54 @@ class FunctionalizeInPlace(PassBase):
 
         It must stay when the tensor is an input, parameter or buffer (the write is the
         point), or when a view or base of it is read after the write (no result to rewire).
+        The node's own result is the written tensor too; its readers read the out-of-place
+        result afterwards, which holds the same values.
         """
         target = opkeys.mutated_argument(node, gm)
         if target is None or not _replaceable(node):
             return None
         written = resolve(target)
-        aliases = alias_set(written, gm)
+        aliases = storage_aliases(written, gm)
         if any(a.op in ("placeholder", "get_attr") for a in aliases):
             return None
         later = []
         for alias in aliases:
             for user in alias.users:
-                if user is node or order[user] < order[node]:
+                if user is node or alias is node or order[user] < order[node]:
                     continue
                 if alias is not written:
                     return None
                 later.append(user)
         return later
+
+
+def storage_aliases(value: Node, gm: torch.fx.GraphModule) -> set[Node]:
+    """Every node that may share memory with ``value``: views, bases, and in-place results.
+
+    ``alias_set`` follows views; an in-place op returns its written argument as well
+    (``buf.mul_(0.9)`` *is* ``buf``), so this closes over both kinds of edge until nothing
+    new is found.
+    """
+    found, stack = {value}, [value]
+    while stack:
+        node = stack.pop()
+        linked = set(alias_set(node, gm))
+        target = _inplace_target(node, gm)
+        if target is not None:
+            linked.add(target)
+        linked |= {u for u in node.users if _inplace_target(u, gm) is node}
+        for other in linked - found:
+            found.add(other)
+            stack.append(other)
+    return found
+
+
+def _inplace_target(node: Node, gm: torch.fx.GraphModule) -> Node | None:
+    """The tensor an in-place node writes (and returns), or None."""
+    if node.op not in ("call_function", "call_method", "call_module"):
+        return None
+    target = opkeys.mutated_argument(node, gm)
+    return resolve(target) if target is not None else None
 
 
 def _replaceable(node: Node) -> bool:

@@ -16,7 +16,9 @@ and outputs, because an ATen op computes in the dtype of its floating arguments.
   with a dimension ``anchors``, so the core reads the other inputs of such an op for free when it
   runs fp32 next to an input fixed fp32 (``add(x_fp16, y_fp32)`` upcasts inside the kernel);
 * modules with their own parameters that were not inlined, float scalars outside the low
-  range, tensors written in place: fixed at their original precision. Exception: the scalar
+  range, tensors written in place, ops whose kernel on the target device lacks the low dtype
+  (``node.meta[NO_LOW_KERNEL]``, probed by ``fx/guards.py``): fixed at their original
+  precision. Exception: the scalar
   ``±torch.finfo(torch.float32).max``, the "most negative value" sentinel of attention masks,
   which code written for any dtype spells ``torch.finfo(dtype).min``; an op planned low gets
   the low dtype's sentinel instead (``apply``), as the model would have built it in that dtype.
@@ -41,6 +43,7 @@ from amp_rewrite.fx import opkeys
 
 CAST_TAG = "amp_rewrite_cast"  # node.meta key on the casts this package inserts
 IO_DTYPES = "amp_rewrite_output_dtypes"  # output-node meta key: dtypes before the first run
+NO_LOW_KERNEL = "amp_rewrite_no_low_kernel"  # node meta key: the target device lacks one
 ArgPath = tuple  # ("args", i[, j]) or ("kwargs", name[, j])
 _BATCH_NORMS = frozenset({"batch_norm", "native_batch_norm", "_native_batch_norm_legit",
                           "_native_batch_norm_legit_no_training",
@@ -274,6 +277,8 @@ class _Builder:
         node = spec.node
         if node.op == "call_module":
             self._fix_module(spec)
+        if NO_LOW_KERNEL in node.meta:  # found by probing the kernel (fx/guards.py)
+            spec.fix(Precision.HIGH, node.meta[NO_LOW_KERNEL])
         for x in float_scalars(node):
             if (math.isfinite(x) and abs(x) > self.max_finite and not is_sentinel(x)
                     and spec.fixed is None):

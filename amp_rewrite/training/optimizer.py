@@ -19,13 +19,11 @@ from typing import Any
 
 import torch
 
+from amp_rewrite.arguments import low_dtype
 from amp_rewrite.errors import TrainingError
 from amp_rewrite.training._grads import optimizer_params
 from amp_rewrite.training.master import MasterWeights
 from amp_rewrite.training.scaler import LossScaler
-
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
 
 def _default_scaler(dtype: torch.dtype, skip_nonfinite: bool) -> LossScaler:
     if dtype == torch.float16:
@@ -41,15 +39,17 @@ class AmpOptimizer:
 
     Args:
         optimizer: any ``torch.optim.Optimizer`` (``fused=True`` ones skip on the device).
-        dtype: the low-precision compute dtype. float16: dynamic ``LossScaler()``; bfloat16 and
-            float32: no scaling, non-finite steps still skipped (``skip_nonfinite``).
+        dtype: the low-precision compute dtype, spelled as for ``amp_rewrite.rewrite``
+            (torch.float16 / torch.bfloat16 / 'fp16' / 'bf16'; float32 is refused: a float32
+            loop needs no wrapper). float16: dynamic ``LossScaler()``; bfloat16: no scaling,
+            non-finite steps still skipped (``skip_nonfinite``).
         scaler: a ``LossScaler`` to use instead of the default (then ``skip_nonfinite`` is
             ignored). Give each wrapper its own: ``step()`` calls ``scaler.update()``.
         accumulation_steps: micro-batches per optimizer step; ``backward`` divides each loss by
             it, and the unscale and Inf/NaN check run once per optimizer step.
         master_weights: the module's parameters are float16/bfloat16; keep float32 masters
             (apex O2). The optimizer must be fresh (no state yet).
-        skip_nonfinite: for bfloat16/float32 without a scaler: skip steps whose gradients
+        skip_nonfinite: for bfloat16 without a scaler: skip steps whose gradients
             hold Inf/NaN (default) or step regardless.
     """
 
@@ -57,14 +57,13 @@ class AmpOptimizer:
         self,
         optimizer: torch.optim.Optimizer,
         *,
-        dtype: torch.dtype = torch.float16,
+        dtype: torch.dtype | str = torch.float16,
         scaler: LossScaler | None = None,
         accumulation_steps: int = 1,
         master_weights: bool = False,
         skip_nonfinite: bool = True,
     ) -> None:
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
+        dtype = low_dtype(dtype)
         if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) \
                 or accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be an integer >= 1, got "

@@ -104,12 +104,13 @@ class _Conversions(nn.Module):
 
 
 def test_cpu_overlay_only_relaxes_ops_the_cuda_lists_deny():
-    """rules/torch_cpu.toml moves fp32-computing CPU kernels from deny to gray, nothing else."""
+    """rules/torch_cpu.toml moves fp32-computing CPU kernels from deny to gray, and follows
+    CPU autocast where its lists differ from CUDA's (allow → gray, promote → deny)."""
     from amp_rewrite.core import parse_rule_file
     from amp_rewrite.core.rules import default_rules_path
 
     base = load_rules("torch", env={})
     overlay = parse_rule_file(default_rules_path("torch_cpu"))
-    assert overlay and {e.op_class.value for e in overlay} == {"gray"}
-    assert all(base.class_of(e.op).value == "deny" for e in overlay)
+    moves = {(base.class_of(e.op).value, e.op_class.value) for e in overlay}
+    assert overlay and moves == {("deny", "gray"), ("allow", "gray"), ("gray", "deny")}
     assert all(e.reason for e in overlay)

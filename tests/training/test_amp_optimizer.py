@@ -159,11 +159,18 @@ def test_bf16_autocast_training_tracks_fp32() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
-        amp = AmpOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), dtype=dtype)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+        amp = AmpOptimizer(optimizer, dtype=dtype) if dtype != torch.float32 else None
         for _ in range(60):
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype != torch.float32):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp is not None):
                 out = model(x)
-            amp.backward(F.mse_loss(out.float(), y))
+            loss = F.mse_loss(out.float(), y)
+            if amp is None:  # the float32 reference: a plain loop
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                continue
+            amp.backward(loss)
             assert amp.step()
             amp.zero_grad()
         losses[dtype] = F.mse_loss(model(x), y).item()

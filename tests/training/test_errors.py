@@ -164,7 +164,9 @@ def test_bad_scaler_options(kwargs: dict, message: str) -> None:
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"accumulation_steps": 0}, r"accumulation_steps must be an integer >= 1, got 0"),
-    ({"dtype": torch.int8}, r"dtype must be one of"),
+    ({"dtype": torch.int8}, r"dtype=torch.int8: expected a low-precision dtype"),
+    ({"dtype": torch.float32}, r"dtype=torch.float32: expected a low-precision dtype"),
+    ({"dtype": "fp8"}, r"dtype='fp8': expected one of torch.float16"),
 ])
 def test_bad_wrapper_options(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

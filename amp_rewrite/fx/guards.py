@@ -1,0 +1,273 @@
+"""What the rewrite checks or adapts before planning, so it never returns a silent wrong result.
+
+* ``refuse_non_float_gemm_inputs``: an integer tensor into a GEMM or convolution (the ops of
+  the allow class: torch.autocast's lower-precision list) fails when the module is called
+  (``mat1 and mat2 must have the same dtype, Long and Half``), but capture does not notice: fake
+  kernels do not check. Refused at rewrite time with a ``UsageError`` naming node and input.
+* ``ConvertForeignFloats``: a model whose tensors are in the *other* low dtype (bfloat16 when
+  the target is float16, or the reverse) is converted as ``torch.autocast`` converts it: every
+  such input, parameter and buffer gets a ``_to_copy(dtype=float32)`` that the plan then
+  retypes to the target dtype where its readers run low, so lower-precision ops run in the
+  target dtype and fp32 ops in fp32 (autocast upcasts the low inputs of its fp32 list). Graph
+  outputs are converted back to their original dtype (``keep_io_types``).
+* ``mark_missing_low_kernels``: on CPU, an op whose kernel has no float16/bfloat16 variant
+  (``avg_pool3d``) would make the rewritten graph fail when called. Torch keeps no queryable
+  table of the dtypes each kernel's ``AT_DISPATCH`` covers, so the op is run once on zeros of
+  the node's shapes in the low dtype (RNG state preserved, result cached per op and dtype); a
+  "not implemented for 'BFloat16'" answer marks the node, and the view keeps it fp32. float64 tensors are left alone, as
+  autocast leaves them: a float64 model comes back unchanged, with a note that says so.
+"""
+from __future__ import annotations
+
+import operator
+import re
+
+import torch
+from torch.fx import Node
+from torch.fx.passes.infra.pass_base import PassBase, PassResult
+
+from amp_rewrite.core import OpClass, RuleSet
+from amp_rewrite.errors import UsageError
+from amp_rewrite.fx import opkeys
+from amp_rewrite.fx.apply import set_arg
+from amp_rewrite.fx.capture import refresh_fake_values
+from amp_rewrite.fx.passes import storage_aliases
+from amp_rewrite.fx.view import NO_LOW_KERNEL, is_cast, tensor_args
+
+FOREIGN_TAG = "amp_rewrite_foreign_float"  # node.meta key on the conversions this pass adds
+_OTHER_LOW = {torch.float16: torch.bfloat16, torch.bfloat16: torch.float16}
+_TO_COPY = torch.ops.aten._to_copy.default
+
+
+def _dtype(node: Node) -> torch.dtype | None:
+    val = node.meta.get("val")
+    return val.dtype if isinstance(val, torch.Tensor) else None
+
+
+def _is_integer(dtype: torch.dtype | None) -> bool:
+    return dtype is not None and not (dtype.is_floating_point or dtype.is_complex
+                                      or dtype == torch.bool)
+
+
+def refuse_non_float_gemm_inputs(gm: torch.fx.GraphModule, rules: RuleSet) -> None:
+    """UsageError for the first allow-class op that reads an integer tensor."""
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        key = opkeys.op_key(node, gm)
+        if rules.class_of(key) is not OpClass.ALLOW:
+            continue
+        for _, arg in tensor_args(node):
+            if _is_integer(_dtype(arg)):
+                raise UsageError(
+                    f"node {node.name} ({key}{_module_path(node)}) reads {arg.name} as "
+                    f"{_dtype(arg)}: {key} needs floating-point inputs, and the module would "
+                    f"fail when called; convert it first (e.g. {arg.name}.float())")
+
+
+def _module_path(node: Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    return f" in module {next(reversed(stack.values()))[0]}" if stack else ""
+
+
+class ConvertForeignFloats(PassBase):
+    """Inputs, parameters and buffers in the other low dtype → fp32 conversions the plan
+    retypes; outputs back to their dtype (module docstring). ``notes`` says what it did."""
+
+    def __init__(self, low: torch.dtype, keep_io_types: bool = True) -> None:
+        self.low = low
+        self.keep_io_types = keep_io_types
+        self.foreign = _OTHER_LOW[low]
+        self.notes: list[str] = []
+
+    def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
+        sources = self._foreign_sources(graph_module)
+        outputs = self._foreign_outputs(graph_module) if self.keep_io_types else []
+        for node in sources:
+            self._convert_reads(graph_module.graph, node, torch.float32)
+        for output, path_index in outputs:
+            self._convert_output(graph_module.graph, output, path_index)
+        changed = bool(sources or outputs)
+        if changed:
+            graph_module.graph.lint()
+            graph_module.recompile()
+            refresh_fake_values(graph_module)
+        self.notes = self._describe(graph_module, sources)
+        return PassResult(graph_module, changed)
+
+    def _foreign_sources(self, gm: torch.fx.GraphModule) -> list[Node]:
+        written = _written_sources(gm)
+        return [n for n in gm.graph.nodes if n.op in ("placeholder", "get_attr")
+                and _dtype(n) == self.foreign and n not in written
+                and any(not u.meta.get(FOREIGN_TAG) and not _is_input_guard(u)
+                        for u in n.users)]
+
+    def _foreign_outputs(self, gm: torch.fx.GraphModule) -> list[tuple[Node, int]]:
+        output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+        found = []
+        for i, (_, arg) in enumerate(tensor_args(output)):
+            if _dtype(arg) == self.foreign and not arg.meta.get(FOREIGN_TAG) \
+                    and arg.op != "placeholder":
+                found.append((output, i))
+        return found
+
+    @staticmethod
+    def _convert_reads(graph: torch.fx.Graph, node: Node, dtype: torch.dtype) -> None:
+        anchor = node
+        if node.op == "placeholder":  # keep placeholders together at the top
+            anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
+        with graph.inserting_after(anchor):
+            conversion = graph.call_function(_TO_COPY, (node,), {"dtype": dtype})
+        conversion.meta[FOREIGN_TAG] = True
+        conversion.meta["val"] = node.meta["val"].to(dtype)
+        node.replace_all_uses_with(conversion, delete_user_cb=lambda user: user is not conversion
+                                   and not _is_input_guard(user))
+
+    def _convert_output(self, graph: torch.fx.Graph, output: Node, index: int) -> None:
+        args = list(tensor_args(output))
+        path, value = args[index]
+        with graph.inserting_before(output):
+            conversion = graph.call_function(_TO_COPY, (value,), {"dtype": self.foreign})
+        conversion.meta[FOREIGN_TAG] = True
+        conversion.meta["val"] = value.meta["val"].to(self.foreign)
+        set_arg(output, path, conversion)
+
+    def _describe(self, gm: torch.fx.GraphModule, converted: list[Node]) -> list[str]:
+        dtypes = {_dtype(n) for n in gm.graph.nodes if n.op in ("placeholder", "get_attr")
+                  and not is_cast(n)} - {None}
+        floats = {d for d in dtypes if d.is_floating_point}
+        notes = []
+        if converted or any(n.meta.get(FOREIGN_TAG) for n in gm.graph.nodes):
+            notes.append(f"the model's {self.foreign} tensors are converted as "
+                         f"torch.autocast(dtype={self.low}) converts them: to {self.low} for "
+                         "ops that run low, to float32 for ops that need it"
+                         + (f"; outputs keep {self.foreign}" if self.keep_io_types else ""))
+        if floats == {torch.float64}:
+            notes.append("the model's floating-point tensors are all float64, which "
+                         "torch.autocast never casts either: returned unchanged (convert it to "
+                         "float32 first to rewrite it)")
+        return notes
+
+
+def _is_input_guard(node: Node) -> bool:
+    """export's ``_guards_fn`` checks the caller's inputs as given, before any conversion."""
+    return node.op == "call_module" and node.target == "_guards_fn"
+
+
+def _written_sources(gm: torch.fx.GraphModule) -> set[Node]:
+    """Inputs, parameters and buffers some node writes in place (through views too)."""
+    written: set[Node] = set()
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "call_method", "call_module") \
+                and node.target is not operator.getitem:
+            target = opkeys.mutated_argument(node, gm)
+            if target is not None:
+                written |= {a for a in storage_aliases(target, gm)
+                            if a.op in ("placeholder", "get_attr")}
+    return written
+
+
+# ------------------------------------------------------------------ kernels lacking low dtypes
+
+_MISSING_DTYPE = re.compile(r"not implemented for '(Half|BFloat16)'")
+_PROBED_CLASSES = {OpClass.GRAY, OpClass.CLEAR}  # allow: CPU autocast runs them low already
+_MAX_PROBE_ELEMENTS = 1 << 24  # larger inputs are not materialised; such ops stay unprobed
+
+
+def mark_missing_low_kernels(gm: torch.fx.GraphModule, low: torch.dtype, rules: RuleSet,
+                             device: str) -> list[str]:
+    """Mark (``NO_LOW_KERNEL``) the ops that cannot run in ``low`` on ``device``; names them."""
+    if device != "cpu":
+        return []  # CUDA kernels cover fp16/bf16 for every op its autocast lists
+    marked = []
+    for node in gm.graph.nodes:
+        target = _probe_target(node, gm)
+        if target is None or is_cast(node):
+            continue
+        if rules.class_of(opkeys.op_key(node, gm)) not in _PROBED_CLASSES:
+            continue
+        if not any(_dtype(arg) == torch.float32 or _dtype(arg) == low
+                   for _, arg in tensor_args(node)):
+            continue
+        if _lacks_low_kernel(node, target, low):
+            node.meta[NO_LOW_KERNEL] = (f"{opkeys.op_key(node, gm)} has no {low} kernel on "
+                                        "CPU (probed), so it runs in float32")
+            marked.append(node.name)
+    return marked
+
+
+def _is_torch_op(target: object) -> bool:
+    """ATen overloads and torch's own functions: no side effects beyond their outputs (a
+    wrapped user function in a symbolic_trace graph could do anything, so it is not run)."""
+    if isinstance(target, torch._ops.OpOverload):
+        return True
+    module = getattr(target, "__module__", None) or ""
+    return callable(target) and (module == "torch" or module.startswith("torch."))
+
+
+def _probe_target(node: Node, gm: torch.fx.GraphModule) -> object | None:
+    """What to run for ``node``: a torch op, or a parameter-free ``torch.nn`` module
+    (``nn.AvgPool3d`` in a symbolic_trace graph); None for anything else."""
+    if node.op == "call_function" and _is_torch_op(node.target):
+        return node.target
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        if type(module).__module__.startswith("torch.nn.") and not any(
+                True for _ in module.parameters()):
+            return module
+    return None
+
+
+def _lacks_low_kernel(node: Node, target: object, low: torch.dtype) -> bool:
+    key = (type(target) if isinstance(target, torch.nn.Module) else target, low)
+    cached = _PROBES.get(key)
+    if cached is not None:
+        return cached
+    args = _probe_arguments(node, low)
+    if args is None:
+        return False
+    answer = _probe(target, low, *args)
+    _PROBES[key] = answer
+    return answer
+
+
+_PROBES: dict[tuple[object, torch.dtype], bool] = {}
+
+
+def _probe_arguments(node: Node, low: torch.dtype) -> tuple[tuple, dict] | None:
+    """Real zero tensors shaped like the node's inputs (float ones in ``low``), or None."""
+    too_big = False
+
+    def materialise(arg: object) -> object:
+        nonlocal too_big
+        if not isinstance(arg, Node):
+            return arg
+        val = arg.meta.get("val")
+        if isinstance(val, torch.SymInt | torch.SymFloat | torch.SymBool):
+            return val.node.hint
+        if not isinstance(val, torch.Tensor):
+            return val
+        shape = [int(s.node.hint) if isinstance(s, torch.SymInt) else int(s) for s in val.shape]
+        if torch.Size(shape).numel() > _MAX_PROBE_ELEMENTS:
+            too_big = True
+            return None
+        dtype = low if val.dtype in (torch.float32, low) else val.dtype
+        return torch.zeros(shape, dtype=dtype)
+
+    from torch.fx.node import map_aggregate
+
+    args = map_aggregate(node.args, materialise)
+    kwargs = map_aggregate(node.kwargs, materialise)
+    return None if too_big else (args, kwargs)
+
+
+def _probe(target: object, low: torch.dtype, args: tuple, kwargs: dict) -> bool:
+    """True when running ``target`` reports a missing ``low`` kernel (nothing else counts)."""
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        try:
+            target(*args, **kwargs)
+        except (RuntimeError, NotImplementedError) as e:
+            return bool(_MISSING_DTYPE.search(str(e)))
+        except Exception:  # noqa: BLE001 - any other failure says nothing about dtypes
+            return False
+    return False
