@@ -247,10 +247,19 @@ def _cast_record(view: OnnxView, cast: CastPlan, value: ir.Value, from_dtype, ne
             g, index = view.sinks[key]
             consumers.append(f"graph output {g.outputs[index].name}")
         else:
-            consumers.append(view.groups[key][0].name or view.groups[key][0].op_type)
+            consumers.append(_consumer_name(view, key))
     return {"value": value.name, "from": from_dtype.name.lower() if from_dtype else None,
             "to": new.dtype.name.lower() if new.dtype else None, "kind": kind,
             "cast_value": new.name, "consumers": consumers}
+
+
+def _consumer_name(view: OnnxView, key) -> str:
+    """A node group's node name (op type if unnamed); a control-flow tie's node and port."""
+    if key in view.groups:
+        node = view.groups[key][0]
+        return node.name or node.op_type
+    _, node, index = key  # ("tie", If/Loop/Scan node, boundary index)
+    return f"{node.name or node.op_type} (boundary {index})"
 
 
 def _constant_copy(source, target: ir.DataType, namer: _Namer, stats) -> ir.Value:
