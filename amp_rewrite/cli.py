@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--savings-weight", type=float, default=0.0, metavar="BETA",
                    help="price of a byte of traffic saved vs a byte cast: 0 (default) gives "
                    "the fewest cast bytes; 1 also runs ops low whose savings pay their casts")
+    p.add_argument("--no-pad", dest="pad", action="store_false",
+                   help="keep GEMM/conv dims as they are (default: pad low GEMM K/N and conv "
+                   "channels to multiples of 8)")
     p.add_argument("--validate", action="store_true",
                    help="compare FP32 and rewritten outputs in onnxruntime (exit 4 on failure)")
     p.add_argument("--tolerance", type=float, help="max relative output error for --validate")
@@ -103,7 +106,7 @@ def _rewrite(args) -> int:
                                     rules=args.rules, keep_fp32=args.keep_fp32,
                                     calibration_data=args.calibrate,
                                     calibration_threshold=args.threshold,
-                                    savings_weight=args.savings_weight)
+                                    savings_weight=args.savings_weight, pad=args.pad)
         validation = None
         if args.validate:
             stages.step("validate")
@@ -172,6 +175,7 @@ def _print_summary(r: dict) -> None:
             ("constants converted", f"{r['constants_converted']} "
                                     f"({r['constant_bytes_converted'] / 2**20:.2f} MiB fp32)"),
             ("values clamped", r["values_clamped"]),
+            ("padded GEMMs/convs", _padded_row(r.get("padding", {}))),
             ("unlisted ops (kept fp32)", ", ".join(r["unlisted_ops"]) or "none"),
             ("time", f"{r['seconds']:.2f} s")]
     if r["identity_casts_removed"]:
@@ -180,6 +184,14 @@ def _print_summary(r: dict) -> None:
         rows.insert(2, ("note", "nothing to change (no float32 compute, or already converted)"))
     width = max(len(k) for k, _ in rows)
     print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
+
+
+def _padded_row(padding: dict) -> str:
+    if not padding.get("enabled", True):
+        return "off (--no-pad)"
+    return (f"{padding.get('padded_ops', 0)} (+{padding.get('extra_flop_fraction', 0):.1%} "
+            f"FLOPs, {padding.get('pads_inserted', 0)} Pad / "
+            f"{padding.get('slices_inserted', 0)} Slice)")
 
 
 def _print_validation(validation) -> None:

@@ -10,7 +10,8 @@ from amp_rewrite.core.precision import LowDtype, OpClass, Precision
 from amp_rewrite.core.rules import RuleEntry, RuleSet, load_rules, parse_rule_file
 
 __all__ = [
-    "CastPlan", "Decision", "GroupInfo", "LowDtype", "OpClass", "PadGraph", "PadPolicy", "PaddingPlan", "Precision", "PrecisionGraph",
+    "CastPlan", "Decision", "GroupInfo", "LowDtype", "OpClass", "PadGraph", "PadPolicy",
+    "PaddingPlan", "Precision", "PrecisionGraph",
     "PrecisionPlan", "RuleEntry", "RuleSet", "ValueInfo", "explain_chain", "load_rules",
     "padding_report", "parse_rule_file", "plan_padding", "plan_precision",
 ]

@@ -312,7 +312,7 @@ def _plan_op(graph: PadGraph, op: PadOp, policy: PadPolicy) -> OpPadding:
     itemsize = graph.values[op.k_axes[-1][0]].itemsize if op.k_axes else 2
     dims = tuple(chosen[r] for r in _roles(op) if r in chosen)
     return OpPadding(op.key, op.name, dims, tuple(skipped.items()), flops,
-                     round(flops * ratio), round(elements * (ratio - 1)) * itemsize)
+                     round(flops * ratio), int(round(elements * (ratio - 1)) * itemsize))
 
 
 def _op_demands(op: PadOp, padding: OpPadding) -> tuple[dict, dict]:

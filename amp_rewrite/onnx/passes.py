@@ -11,10 +11,12 @@ from dataclasses import dataclass, field
 
 import onnx_ir as ir
 
-from amp_rewrite.core import LowDtype, PrecisionPlan, RuleSet, load_rules, plan_precision
+from amp_rewrite.core import (LowDtype, PadPolicy, PrecisionPlan, RuleSet, load_rules,
+                              plan_precision)
 from amp_rewrite.core.report import node_records, precision_counts, unlisted_ops
 from amp_rewrite.onnx import io
 from amp_rewrite.onnx.apply import ApplyStats, apply_plan
+from amp_rewrite.onnx.pad import PadStats, pad_model, pad_report
 from amp_rewrite.onnx.view import INSERTED_TAG, OnnxView, build_view
 
 
@@ -29,6 +31,8 @@ class OnnxOptions:
     # value name -> observed max |x| from calibration, already above the threshold
     pinned_values: Mapping[str, float] = field(default_factory=dict)
     savings_weight: float = 0.0  # β: see amp_rewrite.core.placement.place
+    pad: bool = True  # pad low GEMM/conv dims to multiples of 8 (onnx/pad.py)
+    pad_policy: PadPolicy | None = None  # None: core.padding.PadPolicy()
 
 
 class MixedPrecisionPass(ir.passes.InPlacePass):
@@ -41,6 +45,7 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
         self.view: OnnxView | None = None
         self.plan: PrecisionPlan | None = None
         self.stats: ApplyStats | None = None
+        self.pad_stats: PadStats | None = None
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graphs = list(io.walk_graphs(model.graph))  # one walk for both steps
@@ -51,8 +56,14 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
                                    keep_fp32=self.options.keep_fp32, pins=self._pins(),
                                    savings_weight=self.options.savings_weight)
         self.stats = apply_plan(model, self.view, self.plan)
+        self.pad_stats = (pad_model(model, self.options.pad_policy) if self.options.pad
+                          else PadStats())
         _forget_load_time_types(model)
-        return ir.passes.PassResult(model, modified=self.stats.modified)
+        return ir.passes.PassResult(model, modified=self.modified)
+
+    @property
+    def modified(self) -> bool:
+        return self.stats.modified or self.pad_stats.modified
 
     def _pins(self) -> dict:
         """Producers of values observed beyond the calibration threshold run high."""
@@ -84,7 +95,8 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
             "clamped_constants": s.clamped_constants,
             "unlisted_ops": unlisted_ops(records),
             "pinned_by_calibration": sorted(self.options.pinned_values),
-            "modified": s.modified,
+            "padding": pad_report(self.pad_stats) if self.options.pad else {"enabled": False},
+            "modified": self.modified,
         }
 
     def explain(self, node_name: str) -> list[str]:
