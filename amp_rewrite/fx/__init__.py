@@ -21,6 +21,7 @@ from amp_rewrite.errors import UsageError
 from amp_rewrite.fx.capture import capture as capture_module
 from amp_rewrite.fx.capture import refresh_fake_values
 from amp_rewrite.fx.fusion import FuseTanhGelu
+from amp_rewrite.fx.pad import PadGemms
 from amp_rewrite.fx.passes import (FunctionalizeInPlace, InlineModules, MixedPrecisionOptions,
                                    MixedPrecisionPass)
 
@@ -37,7 +38,8 @@ def rewrite(model: torch.nn.Module, example_inputs: Any = None, *,
             dtype: torch.dtype | str = torch.float16, capture: str = "export",
             dynamic_shapes: Any = None, rules: Iterable[str] = (),
             keep_fp32: Iterable[str] = (), keep_io_types: bool = True,
-            device: str | None = None, autocast_floor: bool = True) -> torch.fx.GraphModule:
+            device: str | None = None, autocast_floor: bool = True,
+            pad: bool | None = None) -> torch.fx.GraphModule:
     """Capture ``model`` and return a trainable mixed-precision ``GraphModule``.
 
     ``dtype``: torch.float16 / torch.bfloat16 (or 'fp16' / 'bf16'). ``capture``: 'export'
@@ -49,6 +51,8 @@ def rewrite(model: torch.nn.Module, example_inputs: Any = None, *,
     On 'cpu' the packaged ``torch_cpu.toml`` overlay applies (see ``rewrite_graph``).
     ``autocast_floor``: never run an op lower than ``torch.autocast`` would (``fx/floor.py``);
     False leaves those ops to the min cut alone (fewer cast bytes, larger error).
+    ``pad``: pad low GEMM/conv dims to multiples of 8 in the graph (``fx/pad.py``); None: on
+    for device 'cuda' (Tensor Cores), off elsewhere (padding buys nothing on CPU).
     The user's module is never mutated; the result owns copies of its parameters.
     """
     if example_inputs is None and not isinstance(model, torch.fx.GraphModule):
@@ -59,7 +63,7 @@ def rewrite(model: torch.nn.Module, example_inputs: Any = None, *,
     captured = time.perf_counter()
     gm = rewrite_graph(gm, dtype=dtype, rules=rules, keep_fp32=keep_fp32,
                        keep_io_types=keep_io_types, device=device,
-                       autocast_floor=autocast_floor)
+                       autocast_floor=autocast_floor, pad=pad)
     gm.amp_report["capture_seconds"] = round(captured - start, 4)
     return gm
 
@@ -67,7 +71,7 @@ def rewrite(model: torch.nn.Module, example_inputs: Any = None, *,
 def rewrite_graph(gm: torch.fx.GraphModule, *, dtype: torch.dtype | str = torch.float16,
                   rules: Iterable[str] = (), keep_fp32: Iterable[str] = (),
                   keep_io_types: bool = True, device: str | None = None,
-                  autocast_floor: bool = True) -> torch.fx.GraphModule:
+                  autocast_floor: bool = True, pad: bool | None = None) -> torch.fx.GraphModule:
     """Run the passes on a captured GraphModule (``meta['val']`` on its nodes), in place.
 
     ``device`` (default: the device type of the graph's example values) selects kernel facts:
@@ -90,12 +94,23 @@ def rewrite_graph(gm: torch.fx.GraphModule, *, dtype: torch.dtype | str = torch.
         FunctionalizeInPlace()(gm)
         amp = MixedPrecisionPass(options)
         amp(gm)
+        padding = _pad(gm, device == "cuda" if pad is None else pad)
     gm.meta[EXPLAIN_KEY] = amp.explanations()
-    gm.amp_report = {**amp.report(), "device": device,
+    gm.amp_report = {**amp.report(), "device": device, "padding": padding,
                      "seconds": round(time.perf_counter() - start, 4)}
     for note in gm.amp_report["notes"]:
         log.warning("%s", note)
     return gm
+
+
+def _pad(gm: torch.fx.GraphModule, enabled: bool) -> dict:
+    """Pad low GEMM/conv dims to multiples of 8 (``fx/pad.py``); the report's section."""
+    if not enabled:
+        return {"enabled": False}
+    pad = PadGemms()
+    if pad(gm).modified:
+        refresh_fake_values(gm)
+    return pad.report()
 
 
 def graph_device(gm: torch.fx.GraphModule) -> str:
