@@ -18,10 +18,11 @@ Decisions, kept apart as in Inductor's ``pad_mm``:
   zero channels interleaved between its groups: per group or not at all, and this plan
   chooses not at all).
 * ``should_pad`` (profitability, ``PadPolicy``): skip tiny ops (weight elements below
-  ``min_weight_elements``); pad the op's dims, cheapest first, while the op's padded FLOPs stay
-  within ``max_flop_ratio`` of its FLOPs (a 3-channel stem padded to 8 costs 2.7x: refused by
-  default); the weight's extra bytes grow by the same ratio (K and N are both weight dims), so
-  one cap bounds both. GEMMs whose operands are both activations (attention's q·kᵀ and
+  ``min_weight_elements``); pad each dim whose padded/unpadded ratio, which multiplies the
+  op's FLOPs, is at most ``max_flop_ratio`` (a 3-channel stem padded to 8 costs 2.7x: refused
+  by default); the weight's extra bytes grow by the same ratio (K and N are both weight
+  dims), so one cap bounds both. Dims are judged one by one, so a second run on the output
+  (where the padded dims are aligned) decides the others the same way: no double padding. GEMMs whose operands are both activations (attention's q·kᵀ and
   scores·v, whose K/N are token counts like ViT's 197) are not padded unless
   ``pad_activation_gemms``: each would need runtime copies of both operands and a slice of the
   scores before softmax, which costs more memory traffic than the GEMM itself.
@@ -268,7 +269,12 @@ def _all_activation(graph: PadGraph, op: PadOp) -> bool:
 
 def should_pad(graph: PadGraph, op: PadOp, candidates: Mapping[str, DimPad],
                policy: PadPolicy) -> tuple[dict[str, DimPad], dict[str, str]]:
-    """Which legal dims to pad (cheapest first, within the FLOP cap) and why not the rest."""
+    """Which legal dims to pad and why not the rest.
+
+    Each dim is judged on its own (its padded/unpadded ratio against ``max_flop_ratio``), so
+    the answer for one dim never depends on whether another is already aligned: a second run
+    on the output pads nothing more. An op padded in two dims costs at most the cap squared.
+    """
     refused: dict[str, str] = {}
     if not candidates:
         return {}, refused
@@ -280,15 +286,14 @@ def should_pad(graph: PadGraph, op: PadOp, candidates: Mapping[str, DimPad],
         return {}, {r: "both operands are activations: runtime pads of both and a slice "
                        "cost more traffic than the GEMM (pad_activation_gemms=False)"
                     for r in candidates}
-    chosen, ratio = {}, 1.0
-    for role, dim in sorted(candidates.items(), key=lambda kv: kv[1].padded / kv[1].size):
-        step = dim.padded / dim.size
-        if ratio * step <= policy.max_flop_ratio:
-            chosen[role], ratio = dim, ratio * step
+    chosen = {}
+    for role, dim in candidates.items():
+        ratio = dim.padded / dim.size
+        if ratio <= policy.max_flop_ratio:
+            chosen[role] = dim
         else:
-            refused[role] = (f"{role} {dim.size}→{dim.padded} costs {step:.2f}x the op's "
-                             f"FLOPs ({ratio * step:.2f}x with the dims chosen before it; "
-                             f"max_flop_ratio {policy.max_flop_ratio})")
+            refused[role] = (f"{role} {dim.size}→{dim.padded} costs {ratio:.2f}x the op's "
+                             f"FLOPs (max_flop_ratio {policy.max_flop_ratio} per dim)")
     return chosen, refused
 
 

@@ -129,6 +129,8 @@ class PadGemms(PassBase):
             return _conv(base, node, packet, low)
         if packet is aten.batch_norm and not node.args[5]:
             return _batch_norm(base, node)
+        if packet is aten.pow and isinstance(node.args[1], (int, float)) and node.args[1] >= 0:
+            return _pointwise(base, node, None)  # x**c, c >= 0: finite stays finite
         if packet in _POINTWISE and (packet is not aten._to_copy or _dtype_only(node)):
             return _pointwise(base, node, _POINTWISE[packet])
         return base

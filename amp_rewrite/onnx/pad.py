@@ -140,10 +140,20 @@ def _pad_op(node: ir.Node, low_dtypes: tuple[ir.DataType, ...]) -> PadOp:
     if node.domain == "" and op_type == "BatchNormalization" and len(node.outputs) == 1:
         return _pointwise(base, node, ((0.0, True),) + ((0.0, True),) * 3 + ((1.0, True),),
                           offsets=(0, 1, 1, 1, 1))
+    if node.domain == "" and op_type == "Pow" and _non_negative_constant(node.inputs[1]):
+        return _pointwise(base, node, ((0.0, True), (1.0, False)))
     if (node.domain == "" and op_type in _POINTWISE) or (
             node.domain == "com.microsoft" and op_type in _CONTRIB):
         return _pointwise(base, node, _POINTWISE.get(op_type))
     return base
+
+
+def _non_negative_constant(value: ir.Value | None) -> bool:
+    """Pow's exponent: x**c with constant c >= 0 maps 0 and other finite values to finite
+    ones (GPT-2's spelled-out tanh GELU has x**3)."""
+    if value is None or not is_constant(value):
+        return False
+    return bool((_constant_array(value).astype(np.float64) >= 0).all())
 
 
 def _rank(value: ir.Value | None) -> int | None:

@@ -272,7 +272,7 @@ def test_tiny_ops_and_activation_gemms_are_skipped_by_policy():
     assert "both operands are activations" in reasons[b.g.producer[s]]["K"]
     assert_padded_equals_unpadded(b, [tiny, s], plan)
     # forced: the score GEMM reads q and k as produced (K padded to 200, zeros times zeros);
-    # its N (5→8, 1.6x) stays within neither cap
+    # its N (5→8, 1.6x) is over the cap
     forced = plan_padding(b.g, PadPolicy(min_weight_elements=0, pad_activation_gemms=True))
     assert forced.regions == 2
     assert_padded_equals_unpadded(b, [tiny, s], forced)
