@@ -44,7 +44,8 @@ from torch import nn
 import amp_rewrite
 import amp_rewrite.fx
 from amp_rewrite.bench import zoo
-from amp_rewrite.core.padding import PadGraph, PadKind, PadOp, op_flops, plan_padding
+from amp_rewrite.core.padding import (PadGraph, PadKind, PadOp, PadPolicy, op_flops,
+                                      plan_padding)
 from amp_rewrite.onnx import pad as onnx_pad
 from amp_rewrite.onnx.api import rewrite_onnx_model
 from amp_rewrite.fx.pad import PadGemms, _POINTWISE as FX_POINTWISE
@@ -152,9 +153,10 @@ def _reference(proto: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
     return [np.asarray(o, np.float32) for o in ReferenceEvaluator(proto).run(None, feeds)]
 
 
-def eligible_aligned(before: PadGraph, after: PadGraph) -> tuple[float, list[str]]:
+def eligible_aligned(before: PadGraph, after: PadGraph,
+                     policy: PadPolicy) -> tuple[float, list[str]]:
     """Fraction of FLOPs of ops should_pad accepted whose padded dims are now aligned."""
-    plan = plan_padding(before)
+    plan = plan_padding(before, policy)
     after_ops, _, _ = alignment(after)
     total = good = 0.0
     misses = []
@@ -223,7 +225,8 @@ def pad_slice_between_gemms_onnx(proto: onnx.ModelProto) -> int:
     return sum(1 for n in inserted if reaches(n, up) and reaches(n, down))
 
 
-def bench_onnx(name: str, module: nn.Module, args: tuple, dtype: str) -> dict:
+def bench_onnx(name: str, module: nn.Module, args: tuple, dtype: str,
+               policy: PadPolicy) -> dict:
     import onnxruntime as ort
 
     path = onnx_path(name, module, args)
@@ -236,16 +239,16 @@ def bench_onnx(name: str, module: nn.Module, args: tuple, dtype: str) -> dict:
         return sess.run(None, feeds)
 
     plain = rewrite_onnx_model(str(path), dtype=dtype, pad=False).proto()
-    result = rewrite_onnx_model(str(path), dtype=dtype)
+    result = rewrite_onnx_model(str(path), dtype=dtype, pad=policy)
     padded = result.proto()
     g_before, g_after = _onnx_pad_graph(plain), _onnx_pad_graph(padded)
     total, aligned_before, aligned_after = aligned_fractions(g_before, g_after)
-    eligible, misses = eligible_aligned(g_before, g_after)
+    eligible, misses = eligible_aligned(g_before, g_after, policy)
     if dtype == "bf16":  # onnxruntime's CPU provider has no bf16 Add/Pad/...: reference
         run = functools.partial(_reference, feeds=feeds)
     rel = max(_rel(a, b) for a, b in zip(run(padded), run(plain)))
     report = result.report["padding"]
-    again = rewrite_onnx_model(padded, dtype=dtype)
+    again = rewrite_onnx_model(padded, dtype=dtype, pad=policy)
     return {"path": "onnx", "model": name, "dtype": dtype, "gemm_flops": total,
             "aligned_before": _ratio(aligned_before, total),
             "aligned_after": _ratio(aligned_after, total), "eligible_aligned": eligible,
@@ -254,14 +257,15 @@ def bench_onnx(name: str, module: nn.Module, args: tuple, dtype: str) -> dict:
             "pads": report["pads_inserted"], "slices": report["slices_inserted"],
             "regions": report["regions_propagated"],
             "pad_slice_between_gemms": pad_slice_between_gemms_onnx(padded),
-            "max_rel_vs_unpadded": rel, "fp32_mode_max_rel": _onnx_fp32_mode(fp32, run),
-            "second_run_modified": again.pass_.modified}
+            "max_rel_vs_unpadded": rel,
+            "second_run_modified": again.pass_.modified,
+            "fp32_mode_max_rel": _onnx_fp32_mode(fp32, run, policy)}
 
 
-def _onnx_fp32_mode(fp32: onnx.ModelProto, run) -> float:
+def _onnx_fp32_mode(fp32: onnx.ModelProto, run, policy: PadPolicy) -> float:
     model = ir.from_proto(fp32)
     ir.passes.common.ShapeInferencePass(strict_mode=False)(model)
-    onnx_pad.pad_model(model, low=(ir.DataType.FLOAT,))
+    onnx_pad.pad_model(model, policy, low=(ir.DataType.FLOAT,))
     return max(_rel(a, b) for a, b in zip(run(ir.to_proto(model)), run(fp32)))
 
 
@@ -311,14 +315,15 @@ def pad_slice_between_gemms_fx(gm: torch.fx.GraphModule) -> int:
     return sum(1 for n in marks if reaches(n, up) and reaches(n, down))
 
 
-def bench_torch(name: str, module: nn.Module, args: tuple, dtype: str, compile_: bool) -> dict:
+def bench_torch(name: str, module: nn.Module, args: tuple, dtype: str, compile_: bool,
+                policy: PadPolicy) -> dict:
     torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
     plain = amp_rewrite.rewrite(module, args, dtype=torch_dtype, pad=False)
-    padded = amp_rewrite.rewrite(module, args, dtype=torch_dtype, pad=True)
-    pad = PadGemms()
+    padded = amp_rewrite.rewrite(module, args, dtype=torch_dtype, pad=policy)
+    pad = PadGemms(policy)
     g_before, g_after = pad.build(plain.graph), pad.build(padded.graph)
     total, aligned_before, aligned_after = aligned_fractions(g_before, g_after)
-    eligible, misses = eligible_aligned(g_before, g_after)
+    eligible, misses = eligible_aligned(g_before, g_after, policy)
     out_p, out_u = _flat(padded(*args)), _flat(plain(*args))
     rel = max(_rel(a.detach().float().numpy(), b.detach().float().numpy())
               for a, b in zip(out_p, out_u))
@@ -329,7 +334,7 @@ def bench_torch(name: str, module: nn.Module, args: tuple, dtype: str, compile_:
                if p.grad is not None and q.grad is not None)
     state = {k: (v.shape, v.dtype) for k, v in module.state_dict().items()}
     report = padded.amp_report["padding"]
-    again = amp_rewrite.fx.rewrite_graph(copy.deepcopy(padded), dtype=torch_dtype, pad=True)
+    again = amp_rewrite.fx.rewrite_graph(copy.deepcopy(padded), dtype=torch_dtype, pad=policy)
     row = {"path": "torch", "model": name, "dtype": dtype, "gemm_flops": total,
            "aligned_before": _ratio(aligned_before, total),
            "aligned_after": _ratio(aligned_after, total), "eligible_aligned": eligible,
@@ -338,7 +343,8 @@ def bench_torch(name: str, module: nn.Module, args: tuple, dtype: str, compile_:
            "pads": report["pads_inserted"], "slices": report["slices_inserted"],
            "regions": report["regions_propagated"],
            "pad_slice_between_gemms": pad_slice_between_gemms_fx(padded),
-           "max_rel_vs_unpadded": rel, "fp32_mode_max_rel": _fx_fp32_mode(module, args),
+           "max_rel_vs_unpadded": rel,
+           "fp32_mode_max_rel": _fx_fp32_mode(module, args, policy),
            "grad_max_rel_vs_unpadded": grad,
            "state_dict_unchanged": {k: (v.shape, v.dtype)
                                     for k, v in padded.state_dict().items()} == state,
@@ -348,11 +354,11 @@ def bench_torch(name: str, module: nn.Module, args: tuple, dtype: str, compile_:
     return row
 
 
-def _fx_fp32_mode(module: nn.Module, args: tuple) -> float:
+def _fx_fp32_mode(module: nn.Module, args: tuple, policy: PadPolicy) -> float:
     from amp_rewrite.fx.capture import capture
 
     gm = capture(copy.deepcopy(module), args, None, mode="export")
-    PadGemms(low=(torch.float32,))(gm)
+    PadGemms(policy, low=(torch.float32,))(gm)
     with torch.no_grad():
         return max(_rel(a.float().numpy(), b.float().numpy())
                    for a, b in zip(_flat(gm(*args)), _flat(module(*args))))
@@ -395,8 +401,14 @@ def main() -> int:
     parser.add_argument("--dtypes", default="fp16,bf16")
     parser.add_argument("--compile", action="store_true",
                         help="also torch.export and torch.compile the padded user modules")
+    parser.add_argument("--max-flop-ratio", type=float, default=PadPolicy.max_flop_ratio,
+                        help="should_pad's per-dim FLOP cap (3 also pads 3-channel stems)")
+    parser.add_argument("--pad-activation-gemms", action="store_true",
+                        help="also pad GEMMs of two activations (attention's token dims)")
     parser.add_argument("--json", default="padding_bench.json")
     args = parser.parse_args()
+    policy = PadPolicy(max_flop_ratio=args.max_flop_ratio,
+                       pad_activation_gemms=args.pad_activation_gemms)
     logging.basicConfig(level=logging.WARNING)
     rows = []
     print(HEADER)
@@ -406,9 +418,9 @@ def main() -> int:
             for path in args.paths.split(","):
                 start = time.perf_counter()
                 try:
-                    row = (bench_onnx(name, module, inputs, dtype) if path == "onnx" else
-                           bench_torch(name, module, inputs, dtype,
-                                       args.compile and name in USER))
+                    row = (bench_onnx(name, module, inputs, dtype, policy) if path == "onnx"
+                           else bench_torch(name, module, inputs, dtype,
+                                            args.compile and name in USER, policy))
                 except Exception as e:  # noqa: BLE001 - a failed model is a row, not a crash
                     print(f"{name:<17} {path:<5} {dtype:<4} FAILED: {type(e).__name__}: "
                           f"{str(e).splitlines()[0][:120]}")

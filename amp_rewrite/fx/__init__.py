@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from amp_rewrite.core import LowDtype, load_rules
+from amp_rewrite.core import LowDtype, PadPolicy, load_rules
 from amp_rewrite.core.rules import default_rules_path
 from amp_rewrite.core.runtime import gc_paused, listed
 from amp_rewrite.errors import UsageError
@@ -39,7 +39,7 @@ def rewrite(model: torch.nn.Module, example_inputs: Any = None, *,
             dynamic_shapes: Any = None, rules: Iterable[str] = (),
             keep_fp32: Iterable[str] = (), keep_io_types: bool = True,
             device: str | None = None, autocast_floor: bool = True,
-            pad: bool | None = None) -> torch.fx.GraphModule:
+            pad: bool | PadPolicy | None = None) -> torch.fx.GraphModule:
     """Capture ``model`` and return a trainable mixed-precision ``GraphModule``.
 
     ``dtype``: torch.float16 / torch.bfloat16 (or 'fp16' / 'bf16'). ``capture``: 'export'
@@ -52,7 +52,8 @@ def rewrite(model: torch.nn.Module, example_inputs: Any = None, *,
     ``autocast_floor``: never run an op lower than ``torch.autocast`` would (``fx/floor.py``);
     False leaves those ops to the min cut alone (fewer cast bytes, larger error).
     ``pad``: pad low GEMM/conv dims to multiples of 8 in the graph (``fx/pad.py``); None: on
-    for device 'cuda' (Tensor Cores), off elsewhere (padding buys nothing on CPU).
+    for device 'cuda' (Tensor Cores), off elsewhere (padding buys nothing on CPU); a
+    ``PadPolicy`` pads with that policy.
     The user's module is never mutated; the result owns copies of its parameters.
     """
     if example_inputs is None and not isinstance(model, torch.fx.GraphModule):
@@ -71,7 +72,8 @@ def rewrite(model: torch.nn.Module, example_inputs: Any = None, *,
 def rewrite_graph(gm: torch.fx.GraphModule, *, dtype: torch.dtype | str = torch.float16,
                   rules: Iterable[str] = (), keep_fp32: Iterable[str] = (),
                   keep_io_types: bool = True, device: str | None = None,
-                  autocast_floor: bool = True, pad: bool | None = None) -> torch.fx.GraphModule:
+                  autocast_floor: bool = True,
+                  pad: bool | PadPolicy | None = None) -> torch.fx.GraphModule:
     """Run the passes on a captured GraphModule (``meta['val']`` on its nodes), in place.
 
     ``device`` (default: the device type of the graph's example values) selects kernel facts:
@@ -94,7 +96,7 @@ def rewrite_graph(gm: torch.fx.GraphModule, *, dtype: torch.dtype | str = torch.
         FunctionalizeInPlace()(gm)
         amp = MixedPrecisionPass(options)
         amp(gm)
-        padding = _pad(gm, device == "cuda" if pad is None else pad)
+        padding = _pad(gm, device == "cuda" if pad is None else pad)  # a policy is truthy
     gm.meta[EXPLAIN_KEY] = amp.explanations()
     gm.amp_report = {**amp.report(), "device": device, "padding": padding,
                      "seconds": round(time.perf_counter() - start, 4)}
@@ -103,11 +105,11 @@ def rewrite_graph(gm: torch.fx.GraphModule, *, dtype: torch.dtype | str = torch.
     return gm
 
 
-def _pad(gm: torch.fx.GraphModule, enabled: bool) -> dict:
+def _pad(gm: torch.fx.GraphModule, enabled: bool | PadPolicy) -> dict:
     """Pad low GEMM/conv dims to multiples of 8 (``fx/pad.py``); the report's section."""
     if not enabled:
         return {"enabled": False}
-    pad = PadGemms()
+    pad = PadGemms(enabled if isinstance(enabled, PadPolicy) else None)
     if pad(gm).modified:
         refresh_fake_values(gm)
     return pad.report()

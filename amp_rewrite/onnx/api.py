@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from amp_rewrite.core import LowDtype
+from amp_rewrite.core import LowDtype, PadPolicy
 from amp_rewrite.core.runtime import gc_paused, listed
 from amp_rewrite.errors import ModelError
 from amp_rewrite.onnx import io
@@ -70,10 +70,11 @@ def rewrite_onnx_model(source: str | os.PathLike | onnx.ModelProto | bytes, *,
                        calibration_data: Mapping[str, np.ndarray] | str | os.PathLike | None = None,
                        calibration_threshold: float | None = None,
                        savings_weight: float = 0.0, check: bool = True,
-                       pad: bool = True) -> RewriteResult:
+                       pad: bool | PadPolicy = True) -> RewriteResult:
     """Load, rewrite and check a model; returns the onnx_ir model and the report.
 
-    ``pad``: pad low GEMM/conv dims to multiples of 8 (``amp_rewrite.onnx.pad``).
+    ``pad``: pad low GEMM/conv dims to multiples of 8 (``amp_rewrite.onnx.pad``); a
+    ``PadPolicy`` pads with that policy instead of the default one.
     """
     start = time.perf_counter()
     low = LowDtype.parse(dtype)
@@ -82,7 +83,8 @@ def rewrite_onnx_model(source: str | os.PathLike | onnx.ModelProto | bytes, *,
         had_external = io.input_had_external_data(model)
         pinned = _calibrate(source, model, low, calibration_data, calibration_threshold)
         options = OnnxOptions(low, keep_io_types, tuple(map(str, listed(rules))),
-                              tuple(listed(keep_fp32)), pinned, savings_weight, pad)
+                              tuple(listed(keep_fp32)), pinned, savings_weight, bool(pad),
+                              pad if isinstance(pad, PadPolicy) else None)
         pass_ = MixedPrecisionPass(options)
         pass_(model)
         result = RewriteResult(model, pass_, had_external)

@@ -74,6 +74,9 @@ def pad_model(model: ir.Model, policy: PadPolicy | None = None,
         logger.info("padding skipped: opset < %d", MIN_OPSET)
         return stats
     graph = model.graph
+    policy = policy or PadPolicy()
+    if not policy.pad_activation_gemms and not _misaligned_weights(graph, low, policy.multiple):
+        return stats  # nothing a plan could pad: skip the shape inference below
     if _needs_shapes(graph, low):
         # Loading keeps inferred dtypes and sizes, not shapes (io._with_inferred_facts); the
         # plan needs the shapes around GEMMs/convs, so infer them once more, only here.
@@ -87,6 +90,24 @@ def pad_model(model: ir.Model, policy: PadPolicy | None = None,
 # ----------------------------------------------------------------------------- view
 
 _GEMMS = ("MatMul", "Gemm", "Conv")
+
+
+def _misaligned_weights(graph: ir.Graph, low: tuple[ir.DataType, ...], multiple: int) -> bool:
+    """Whether some low GEMM/conv has a weight with a misaligned static K/N/channel dim.
+
+    Without ``pad_activation_gemms`` only GEMMs/convs with a constant operand are padded,
+    and a weight holds every padded dim (K and N; a conv's channels), so this cheap look at
+    initializer shapes decides whether planning can find anything.
+    """
+    for n in graph:
+        if n.op_type not in _GEMMS or n.domain != "" or n.outputs[0].dtype not in low:
+            continue
+        for w in n.inputs[:2]:
+            if w is not None and w.shape is not None and is_constant(w) and len(w.shape) >= 2:
+                dims = w.shape[:2] if n.op_type == "Conv" else w.shape[-2:]
+                if any(isinstance(d, int) and d % multiple for d in dims):
+                    return True
+    return False
 
 
 def _needs_shapes(graph: ir.Graph, low: tuple[ir.DataType, ...]) -> bool:
