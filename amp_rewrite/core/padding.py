@@ -22,8 +22,9 @@ Decisions, kept apart as in Inductor's ``pad_mm``:
   op's FLOPs, is at most ``max_flop_ratio`` (a 3-channel stem padded to 8 costs 2.7x: refused
   by default); the weight's extra bytes grow by the same ratio (K and N are both weight
   dims), so one cap bounds both. Dims are judged one by one, so a second run on the output
-  (where the padded dims are aligned) decides the others the same way: no double padding. GEMMs whose operands are both activations (attention's q·kᵀ and
-  scores·v, whose K/N are token counts like ViT's 197) are not padded unless
+  (where the padded dims are aligned) decides the others the same way: no double padding.
+  GEMMs whose operands are both activations (attention's q·kᵀ and scores·v, whose K/N are
+  token counts like ViT's 197) are not padded unless
   ``pad_activation_gemms``: each would need runtime copies of both operands and a slice of the
   scores before softmax, which costs more memory traffic than the GEMM itself.
 
@@ -178,7 +179,7 @@ class PaddingPlan:
     reads: Mapping[tuple[Hashable, Hashable], tuple[AxisPad, ...]]
     ops: Mapping[Hashable, OpPadding]  # every low GEMM/conv considered
     propagated: frozenset  # POINTWISE ops that run on the padded layout
-    regions: int  # connected padded layouts that span more than one GEMM/conv
+    regions: int  # padded K reads that take a padded producer's output as is
     policy: PadPolicy = field(default_factory=PadPolicy)
 
     @property
@@ -435,9 +436,10 @@ class _Planner:
     def _reads_as_produced(self, op: Hashable, value: Hashable) -> bool:
         return self.reads.get((op, value)) == (self.produced.get(value),)
 
-    def regions(self, kept: set[Hashable]) -> int:
+    def regions(self) -> int:
         """Padded layouts handed from one GEMM/conv to another without a slice and a pad."""
-        return sum(1 for (op, v) in self.reads if op in self.ops and self._reads_as_produced(op, v))
+        return sum(1 for (op, v) in self.reads
+                   if op in self.ops and self._reads_as_produced(op, v))
 
 
 def plan_padding(graph: PadGraph, policy: PadPolicy | None = None) -> PaddingPlan:
@@ -449,7 +451,7 @@ def plan_padding(graph: PadGraph, policy: PadPolicy | None = None) -> PaddingPla
     return PaddingPlan(MappingProxyType(dict(planner.produced)),
                        MappingProxyType(dict(planner.reads)),
                        MappingProxyType(planner.ops), frozenset(kept),
-                       planner.regions(kept), policy)
+                       planner.regions(), policy)
 
 
 # ----------------------------------------------------------------------------- report

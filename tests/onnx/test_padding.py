@@ -33,10 +33,12 @@ def _model(nodes, inputs, outputs, weights: dict[str, np.ndarray]) -> onnx.Model
 
 def mlp_100_37_1001() -> onnx.ModelProto:
     """MatMul+Add → tanh GELU spelled as Mul/Tanh/Add → MatMul+Add (a GPT-2 MLP shape)."""
-    nodes = [oh.make_node("MatMul", ["x", "W1"], ["h0"]), oh.make_node("Add", ["h0", "b1"], ["h1"]),
+    nodes = [oh.make_node("MatMul", ["x", "W1"], ["h0"]),
+             oh.make_node("Add", ["h0", "b1"], ["h1"]),
              oh.make_node("Tanh", ["h1"], ["t"]), oh.make_node("Add", ["t", "one"], ["t1"]),
              oh.make_node("Mul", ["h1", "t1"], ["h2"]),
-             oh.make_node("MatMul", ["h2", "W2"], ["y0"]), oh.make_node("Add", ["y0", "b2"], ["y"])]
+             oh.make_node("MatMul", ["h2", "W2"], ["y0"]),
+             oh.make_node("Add", ["y0", "b2"], ["y"])]
     return _model(nodes, [oh.make_tensor_value_info("x", 1, ["batch", 100])],
                   [oh.make_tensor_value_info("y", 1, ["batch", 1001])],
                   {"W1": _w(100, 37), "b1": _w(37), "one": np.ones(1, np.float32),
@@ -54,7 +56,7 @@ def tied_embedding() -> onnx.ModelProto:
 
 
 def cnn_3_13_7(groups: int = 1) -> onnx.ModelProto:
-    """Conv 3→13 (3x3) → BatchNorm → Relu → Conv 13→7 (or grouped 13→13 when groups > 1)."""
+    """Conv 3→13 → BatchNorm → Relu → Conv 13→7 (grouped 13→13 when groups > 1)."""
     cout2 = 7 if groups == 1 else 13
     nodes = [oh.make_node("Conv", ["x", "W1", "B1"], ["c1"], pads=[1, 1, 1, 1]),
              oh.make_node("BatchNormalization", ["c1", "s", "b", "m", "v"], ["n1"]),
