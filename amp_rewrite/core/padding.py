@@ -189,6 +189,12 @@ class PaddingPlan:
     def is_empty(self) -> bool:
         return not self.reads and not self.produced
 
+    @classmethod
+    def empty(cls, policy: PadPolicy | None = None) -> PaddingPlan:
+        """The plan of a graph with nothing to pad."""
+        none = MappingProxyType({})
+        return cls(none, none, none, frozenset(), 0, policy or PadPolicy())
+
 
 def round_up(size: int, multiple: int) -> int:
     return -(-size // multiple) * multiple

@@ -94,9 +94,7 @@ class PadGemms(PassBase):
         return PassResult(graph_module, True)
 
     def report(self) -> dict:
-        if self.plan is None:
-            return {"padded_ops": 0, "enabled": True}
-        return {**padding_report(self.plan), "weights_padded": self.weights_padded,
+        return {**padding_report(self.plan or PaddingPlan.empty(self.policy)), "weights_padded": self.weights_padded,
                 "pads_inserted": self.pads_inserted, "slices_inserted": self.slices_inserted}
 
     # -- view --------------------------------------------------------------------------------

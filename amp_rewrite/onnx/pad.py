@@ -69,7 +69,7 @@ def pad_model(model: ir.Model, policy: PadPolicy | None = None,
     ``low``: output dtypes that make a GEMM/conv eligible (tests pass FLOAT to pad an FP32
     graph and compare it with the unpadded one at fp32 rounding).
     """
-    stats = PadStats()
+    stats = PadStats(plan=PaddingPlan.empty(policy))
     if model.opset_imports.get("", 0) < MIN_OPSET:
         logger.info("padding skipped: opset < %d", MIN_OPSET)
         return stats
@@ -480,8 +480,6 @@ def pad_report(stats: PadStats) -> dict:
     """The report's ``padding`` section (core report plus what the adapter inserted)."""
     from amp_rewrite.core.padding import padding_report
 
-    if stats.plan is None:
-        return {"padded_ops": 0, "enabled": True}
     return {**padding_report(stats.plan), "weights_padded": stats.weights_padded,
             "weights_padded_in_place": stats.weights_padded_in_place,
             "pads_inserted": stats.pads_inserted, "slices_inserted": stats.slices_inserted}

@@ -189,3 +189,11 @@ def test_cli_no_pad_and_summary_row(tmp_path, capsys):
     assert "off (--no-pad)" in capsys.readouterr().out
     assert "Pad" not in _ops(onnx.load(tmp_path / "u.onnx"))
     assert "Pad" in _ops(onnx.load(tmp_path / "p.onnx"))
+
+
+def test_report_has_totals_when_no_weight_is_misaligned():
+    """bf16 Conv has no kernel type at opset 18: the convs stay fp32, nothing is padded, and
+    the report still has every total (the CLI row and tools read them)."""
+    report = rewrite_onnx_model(cnn_3_13_7(), dtype="bf16").report["padding"]
+    assert report["padded_ops"] == 0 and report["extra_flop_fraction"] == 0.0
+    assert report["pads_inserted"] == report["slices_inserted"] == 0
