@@ -30,7 +30,6 @@ import inspect
 import json
 import logging
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -50,7 +49,6 @@ from amp_rewrite.onnx import pad as onnx_pad
 from amp_rewrite.onnx.api import rewrite_onnx_model
 from amp_rewrite.fx.pad import PadGemms, _POINTWISE as FX_POINTWISE
 
-log = logging.getLogger("bench_padding")
 ZOO = ("gpt2", "bert", "roberta", "distilbert", "albert", "bart", "t5", "llama", "vit", "deit",
        "clip_vision", "swin", "whisper_encoder", "wav2vec2", "resnet", "convnext",
        "mobilenet_v2", "segformer")

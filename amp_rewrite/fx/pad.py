@@ -20,8 +20,6 @@ dim aligned and changes nothing.
 """
 from __future__ import annotations
 
-import logging
-from collections.abc import Hashable
 
 import torch
 from torch.fx import Node
@@ -33,7 +31,6 @@ from amp_rewrite.core.padding import (AxisPad, PadGraph, PadInput, PadKind, PadO
 from amp_rewrite.fx.apply import insert_cast
 from amp_rewrite.fx.view import is_cast
 
-log = logging.getLogger(__name__)
 aten = torch.ops.aten
 _LOW = (torch.float16, torch.bfloat16)
 
@@ -277,6 +274,6 @@ def _by_fill(pads: tuple[AxisPad, ...]) -> list[tuple[float, list[AxisPad]]]:
     return list(groups.items())
 
 
-def _meta(value: Node) -> dict[str, Hashable]:
+def _meta(value: Node) -> dict:
     """Module path and stack of the value the new node pads or slices (for reports)."""
     return {k: value.meta[k] for k in ("nn_module_stack", "stack_trace") if k in value.meta}

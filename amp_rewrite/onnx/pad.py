@@ -20,7 +20,6 @@ A second run finds every padded dim aligned and changes nothing.
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,7 +27,8 @@ import onnx_ir as ir
 import onnx_ir.passes.common
 
 from amp_rewrite.core.padding import (AxisPad, PadGraph, PadInput, PadKind, PadOp,
-                                      PaddingPlan, PadPolicy, PadValue, plan_padding)
+                                      PaddingPlan, PadPolicy, PadValue, padding_report,
+                                      plan_padding)
 from amp_rewrite.onnx.apply import REASON_KEY, _Namer
 from amp_rewrite.onnx.view import INSERTED_TAG
 
@@ -478,13 +478,7 @@ def _padded_array(array: np.ndarray, pads: tuple[AxisPad, ...]) -> np.ndarray:
 
 def pad_report(stats: PadStats) -> dict:
     """The report's ``padding`` section (core report plus what the adapter inserted)."""
-    from amp_rewrite.core.padding import padding_report
-
     return {**padding_report(stats.plan), "weights_padded": stats.weights_padded,
             "weights_padded_in_place": stats.weights_padded_in_place,
             "pads_inserted": stats.pads_inserted, "slices_inserted": stats.slices_inserted}
 
-
-def pad_keys(plan: PaddingPlan) -> set[Hashable]:
-    """The nodes whose dims the plan pads (for tests and tools)."""
-    return {p.op for p in plan.padded_ops}
