@@ -182,3 +182,27 @@ def test_load_digits_training_with_padding_matches_without():
             assert net.amp_report["padding"]["padded_ops"] == 3  # fc1 N; fc2 K, N; head K
     assert accuracy[False] > 0.8
     assert abs(accuracy[True] - accuracy[False]) <= 0.01
+
+
+class TwoOutputs(nn.Module):
+    """A 3-D linear whose output is returned and also read by the next linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(100, 37), nn.Linear(37, 21)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.fc1(x)
+        return h, self.fc2(torch.relu(h))
+
+
+def test_output_also_read_by_a_gemm_keeps_its_shape_in_fp32_mode():
+    torch.manual_seed(0)
+    model, x = TwoOutputs(), torch.randn(2, 5, 100)
+    gm = capture(model, (x,), None, mode="export")
+    pad = PadGemms(low=(torch.float32,))
+    assert pad(gm).modified and pad.report()["regions_propagated"] == 1
+    with torch.no_grad():
+        for got, want in zip(gm(x), model(x)):
+            assert got.shape == want.shape
+            assert _rel(got, want) <= 1e-6

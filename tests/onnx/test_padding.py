@@ -197,3 +197,22 @@ def test_report_has_totals_when_no_weight_is_misaligned():
     report = rewrite_onnx_model(cnn_3_13_7(), dtype="bf16").report["padding"]
     assert report["padded_ops"] == 0 and report["extra_flop_fraction"] == 0.0
     assert report["pads_inserted"] == report["slices_inserted"] == 0
+
+
+def test_gemm_trans_b_output_that_is_also_a_graph_output_is_sliced_for_it_only():
+    """Gemm(transB=1, bias) → Relu → Gemm; the first Gemm's output is also a graph output:
+    it keeps its name and shape through a Slice while the second Gemm reads it padded."""
+    nodes = [oh.make_node("Gemm", ["x", "W1", "b1"], ["h"], transB=1),
+             oh.make_node("Relu", ["h"], ["r"]),
+             oh.make_node("Gemm", ["r", "W2"], ["y"], transB=1)]
+    model = _model(nodes, [oh.make_tensor_value_info("x", 1, [4, 100])],
+                   [oh.make_tensor_value_info("y", 1, [4, 21]),
+                    oh.make_tensor_value_info("h", 1, [4, 37])],
+                   {"W1": _w(37, 100), "b1": _w(37), "W2": _w(21, 37)})
+    padded, stats = _fp32_padded(model)
+    assert [p.dims for p in stats.plan.padded_ops][0][1].padded == 40
+    assert [o.name for o in padded.graph.output] == ["y", "h"]
+    feeds = {"x": _RNG.standard_normal((4, 100)).astype(np.float32)}
+    for want, got in zip(_run(model, feeds), _run(padded, feeds)):
+        assert got.shape == want.shape
+        assert np.abs(got - want).max() / np.abs(want).max() <= 1e-6
