@@ -149,7 +149,6 @@ class PadGraph:
         self.ops: dict[Hashable, PadOp] = {}
         self.producer: dict[Hashable, Hashable] = {}
         self.consumers: dict[Hashable, list[Hashable]] = {}
-        self.graph_outputs: set[Hashable] = set()
 
     def add_value(self, value: PadValue) -> None:
         self.values[value.key] = value

@@ -139,7 +139,6 @@ def build_pad_graph(graph: ir.Graph, low: tuple[ir.DataType, ...] = _LOW) -> Pad
             if v is not None:
                 _add_value(g, v)
         g.add_op(_pad_op(node, low))
-    g.graph_outputs.update(graph.outputs)
     return g
 
 
