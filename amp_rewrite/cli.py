@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clamp-constants", action="store_true",
                    help="store constants beyond the low dtype's range clamped (default: keep "
                         "them and their readers fp32)")
+    p.add_argument("--no-pad", dest="pad", action="store_false",
+                   help="keep GEMM/conv dims as they are (default: pad low GEMM K/N and conv "
+                   "channels to multiples of 8)")
     p.add_argument("--validate", action="store_true",
                    help="compare FP32 and rewritten outputs in onnxruntime on the --calibrate "
                    "data or seeded random inputs (exit 4 on failure)")
@@ -372,6 +375,7 @@ def _print_summary(r: dict, args) -> None:
             ("constants converted", f"{r['constants_converted']} "
                                     f"({r['constant_bytes_converted'] / 2**20:.2f} MiB fp32)"),
             ("values clamped", r["values_clamped"]),
+            ("padded GEMMs/convs", _padded_row(r.get("padding", {}))),
             ("unlisted ops (kept fp32)", ", ".join(r["unlisted_ops"]) or "none"),
             ("time", f"{r['seconds']:.2f} s")]
     if r["identity_casts_removed"]:
@@ -402,6 +406,14 @@ def _nothing_to_change(counts: dict) -> str:
         return ("nothing to change: the rules, --keep-fp32 patterns or calibration pins keep "
                 "every float node fp32 (see --report or --explain NODE)")
     return "nothing to change (no float32 compute, or already converted)"
+
+
+def _padded_row(padding: dict) -> str:
+    if not padding.get("enabled", True):
+        return "off (--no-pad)"
+    return (f"{padding.get('padded_ops', 0)} (+{padding.get('extra_flop_fraction', 0):.1%} "
+            f"FLOPs, {padding.get('pads_inserted', 0)} Pad / "
+            f"{padding.get('slices_inserted', 0)} Slice)")
 
 
 def _print_validation(validation) -> None:

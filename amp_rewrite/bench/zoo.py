@@ -78,6 +78,10 @@ class _Spec:
     description: str
     picks: tuple[int, ...] = (0,)  # which entries of the HF output tuple to return
     extra: tuple[tuple[str, Any], ...] = ()  # constant keyword arguments of the HF call
+    # build(real_sizes=True): config overrides restoring the real model's misaligned sizes
+    # (vocabularies, ViT's 197 tokens), and the image size its inputs then need
+    real: tuple[tuple[str, Any], ...] = ()
+    real_image: int | None = None
 
 
 # ----------------------------------------------------------------------------- wrappers
@@ -202,27 +206,28 @@ def _hf(
     Attention-free models get no ``attn_implementation``: HF refuses "sdpa" for them.
     """
 
-    def make(attn: str) -> torch.nn.Module:
+    def make(attn: str, **overrides: Any) -> torch.nn.Module:
         import transformers
 
         attn_config = {"attn_implementation": attn} if uses_attention else {}
-        cfg = getattr(transformers, config_name)(**attn_config, **config)
+        cfg = getattr(transformers, config_name)(**attn_config, **{**config, **overrides})
         return getattr(transformers, cls_name)(cfg)
 
     return make
 
 
-def _whisper_encoder(attn: str) -> torch.nn.Module:
+def _whisper_encoder(attn: str, **overrides: Any) -> torch.nn.Module:
     import transformers
 
     from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
     # Only the encoder is built; the special token ids must still lie inside the tiny vocab.
+    overrides = {"vocab_size": _VOCAB, **overrides}
     cfg = transformers.WhisperConfig(
-        attn_implementation=attn, vocab_size=_VOCAB, num_mel_bins=16, d_model=32,
+        attn_implementation=attn, num_mel_bins=16, d_model=32,
         encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=64,
         max_source_positions=16, max_target_positions=16, pad_token_id=1,
-        bos_token_id=0, eos_token_id=2, decoder_start_token_id=3,
+        bos_token_id=0, eos_token_id=2, decoder_start_token_id=3, **overrides,
     )  # fmt: skip
     return WhisperEncoder(cfg)
 
@@ -233,13 +238,14 @@ _SPECS: dict[str, _Spec] = {
             max_position_embeddings=64),
         "text", _text_inputs,
         "BERT encoder; returns last hidden state and tanh pooler output",
-        picks=(0, 1),
+        picks=(0, 1), real=(("vocab_size", 30522),),
     ),
     "roberta": _Spec(
         _hf("RobertaForSequenceClassification", "RobertaConfig", vocab_size=_VOCAB,
             hidden_size=32, **_TINY, max_position_embeddings=66, num_labels=3),
         "text", _text_inputs,
         "RoBERTa sequence classifier (padding-aware position ids); returns logits",
+        real=(("vocab_size", 50265),),
     ),
     "albert": _Spec(
         _hf("AlbertModel", "AlbertConfig", vocab_size=_VOCAB, embedding_size=16,
@@ -254,13 +260,14 @@ _SPECS: dict[str, _Spec] = {
             n_heads=4, hidden_dim=64, max_position_embeddings=64),
         "text", _text_inputs,
         "DistilBERT encoder; returns last hidden state",
+        real=(("vocab_size", 30522),),
     ),
     "gpt2": _Spec(
         _hf("GPT2LMHeadModel", "GPT2Config", vocab_size=_VOCAB, n_positions=64, n_embd=32,
             n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0),
         "text", _text_inputs,
         "GPT-2 causal LM (Conv1D projections, tanh GELU); returns logits",
-        extra=(("use_cache", False),),
+        extra=(("use_cache", False),), real=(("vocab_size", 50257),),
     ),
     "llama": _Spec(
         _hf("LlamaForCausalLM", "LlamaConfig", vocab_size=_VOCAB, hidden_size=32, **_TINY,
@@ -285,13 +292,14 @@ _SPECS: dict[str, _Spec] = {
             max_position_embeddings=64),
         "seq2seq", _seq2seq_inputs,
         "BART encoder-decoder with cross-attention; returns logits",
-        extra=(("use_cache", False),),
+        extra=(("use_cache", False),), real=(("vocab_size", 50265),),
     ),
     "vit": _Spec(
         _hf("ViTForImageClassification", "ViTConfig", image_size=_IMAGE, patch_size=8,
             hidden_size=32, **_TINY, num_labels=10),
         "image", _image_inputs(_IMAGE),
         "ViT image classifier on 32x32 images, 8x8 patches; returns logits",
+        real=(("image_size", 224), ("patch_size", 16)), real_image=224,
     ),
     "deit": _Spec(
         _hf("DeiTForImageClassificationWithTeacher", "DeiTConfig", image_size=_IMAGE,
@@ -330,6 +338,7 @@ _SPECS: dict[str, _Spec] = {
         _whisper_encoder,
         "audio_features", _randn_inputs(16, 32),
         "Whisper audio encoder (conv stem on 16 mel bins x 32 frames); returns hidden states",
+        real=(("vocab_size", 51865),),
     ),
     "wav2vec2": _Spec(
         _hf("Wav2Vec2Model", "Wav2Vec2Config", hidden_size=32, **_TINY, conv_dim=(16, 16),
@@ -371,26 +380,33 @@ def _spec(name: str) -> _Spec:
 
 
 def build(
-    name: str, *, seed: int = 0, batch: int = 2, attn_implementation: str = "eager"
+    name: str, *, seed: int = 0, batch: int = 2, attn_implementation: str = "eager",
+    real_sizes: bool = False,
 ) -> ZooModel:
     """Build zoo model ``name`` with weights and inputs drawn from ``seed``.
 
     ``batch`` is the leading dimension of every input.  ``attn_implementation`` is passed to
     the HF config ("eager": explicit MatMul/Softmax; "sdpa": one fused attention call per
     layer); attention-free models ignore it.  The global torch RNG is left untouched (weights
-    are drawn inside ``fork_rng``).
+    are drawn inside ``fork_rng``). ``real_sizes``: the real model's misaligned sizes where
+    they differ from the tiny config (GPT-2's 50257-word vocabulary, BERT's 30522, ViT's 224
+    pixel images in 16-pixel patches: 197 tokens); hidden sizes stay tiny. Default configs
+    are unchanged (tests rely on them).
     """
     import torch
 
     spec = _spec(name)
+    overrides = dict(spec.real) if real_sizes else {}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        hf_model = spec.make(attn_implementation)
+        hf_model = spec.make(attn_implementation, **overrides)
     wrapper = _wrapper_types()[spec.kind](hf_model, spec.picks, dict(spec.extra))
     module = wrapper.to(torch.float32).eval()
-    _calibrate_batchnorm(module, spec.inputs(torch.Generator().manual_seed(seed + 1), 8))
+    inputs = (_image_inputs(spec.real_image) if real_sizes and spec.real_image
+              else spec.inputs)
+    _calibrate_batchnorm(module, inputs(torch.Generator().manual_seed(seed + 1), 8))
     gen = torch.Generator().manual_seed(seed)
-    return ZooModel(name, module, spec.inputs(gen, batch), {}, spec.description)
+    return ZooModel(name, module, inputs(gen, batch), {}, spec.description)
 
 
 def _calibrate_batchnorm(module: torch.nn.Module, calib_args: tuple) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from amp_rewrite import arguments
-from amp_rewrite.core import LowDtype, RuleSet, load_rules
+from amp_rewrite.core import LowDtype, PadPolicy, RuleSet, load_rules
 from amp_rewrite.core.rules import default_rules_path
 from amp_rewrite.core.runtime import gc_paused, listed
 from amp_rewrite.errors import UsageError
@@ -24,6 +24,7 @@ from amp_rewrite.fx.capture import capture as capture_module
 from amp_rewrite.fx.capture import refresh_fake_values
 from amp_rewrite.fx.fusion import FuseTanhGelu
 from amp_rewrite.fx.modes import TrainEvalModule, in_mode
+from amp_rewrite.fx.pad import PadGemms
 from amp_rewrite.fx.passes import (FunctionalizeInPlace, InlineModules, MixedPrecisionOptions,
                                    MixedPrecisionPass)
 
@@ -41,7 +42,8 @@ def rewrite(model: torch.nn.Module, example_inputs: Any = None, *,
             dynamic_shapes: Any = None, rules: Iterable[str] = (),
             keep_fp32: Iterable[str] = (), keep_io_types: bool = True,
             device: str | None = None, autocast_floor: bool = True,
-            mode: str | None = None) -> torch.fx.GraphModule | TrainEvalModule:
+            mode: str | None = None, pad: bool | PadPolicy | None = None
+            ) -> torch.fx.GraphModule | TrainEvalModule:
     """Capture ``model`` and return a trainable mixed-precision ``GraphModule``.
 
     ``dtype``: torch.float16 / torch.bfloat16 (or 'fp16' / 'bf16'). ``capture``: 'export'
@@ -57,6 +59,9 @@ def rewrite(model: torch.nn.Module, example_inputs: Any = None, *,
     those ops to the min cut alone (fewer cast bytes, larger error). ``mode``: None (the
     module's current train/eval mode), 'train', 'eval', or 'both': a ``TrainEvalModule``
     holding both captures on shared parameters, switched by ``.train()`` / ``.eval()``.
+    ``pad``: pad low GEMM/conv dims to multiples of 8 in the graph (``fx/pad.py``); None: on
+    for device 'cuda' (Tensor Cores), off elsewhere (padding buys nothing on CPU); a
+    ``PadPolicy`` pads with that policy.
     The user's module is never mutated; the result owns copies of its parameters.
     """
     _check_rewrite_arguments(dtype=dtype, keep_fp32=keep_fp32, keep_io_types=keep_io_types,
@@ -70,20 +75,20 @@ def rewrite(model: torch.nn.Module, example_inputs: Any = None, *,
         return _rewrite_train_and_eval(
             model, example_inputs, example_kwargs=example_kwargs, dtype=dtype, capture=capture,
             dynamic_shapes=dynamic_shapes, rules=rules, keep_fp32=keep_fp32,
-            keep_io_types=keep_io_types, device=device, autocast_floor=autocast_floor)
+            keep_io_types=keep_io_types, device=device, autocast_floor=autocast_floor, pad=pad)
     if mode is not None:
         with in_mode(model, mode):
             return rewrite(model, example_inputs, example_kwargs=example_kwargs, dtype=dtype,
                            capture=capture, dynamic_shapes=dynamic_shapes, rules=rules,
                            keep_fp32=keep_fp32, keep_io_types=keep_io_types, device=device,
-                           autocast_floor=autocast_floor)
+                           autocast_floor=autocast_floor, pad=pad)
     start = time.perf_counter()
     gm = capture_module(model, () if example_inputs is None else example_inputs,
                         example_kwargs, mode=capture, dynamic_shapes=dynamic_shapes)
     captured = time.perf_counter()
     gm = rewrite_graph(gm, dtype=dtype, rules=rules, keep_fp32=keep_fp32,
                        keep_io_types=keep_io_types, device=device,
-                       autocast_floor=autocast_floor)
+                       autocast_floor=autocast_floor, pad=pad)
     gm.amp_report["capture_seconds"] = round(captured - start, 4)
     return gm
 
@@ -91,7 +96,8 @@ def rewrite(model: torch.nn.Module, example_inputs: Any = None, *,
 def rewrite_graph(gm: torch.fx.GraphModule, *, dtype: torch.dtype | str = torch.float16,
                   rules: Iterable[str] = (), keep_fp32: Iterable[str] = (),
                   keep_io_types: bool = True, device: str | None = None,
-                  autocast_floor: bool = True) -> torch.fx.GraphModule:
+                  autocast_floor: bool = True,
+                  pad: bool | PadPolicy | None = None) -> torch.fx.GraphModule:
     """Run the passes on a captured GraphModule (``meta['val']`` on its nodes), in place.
 
     ``device`` (default: the device type of the graph's example values) selects kernel facts:
@@ -117,8 +123,9 @@ def rewrite_graph(gm: torch.fx.GraphModule, *, dtype: torch.dtype | str = torch.
         FunctionalizeInPlace()(gm)
         amp = MixedPrecisionPass(options)
         amp(gm)
+        padding = _pad(gm, device == "cuda" if pad is None else pad)  # a policy is truthy
     gm.meta[EXPLAIN_KEY] = amp.explanations()
-    gm.amp_report = {**amp.report(), "device": device,
+    gm.amp_report = {**amp.report(), "device": device, "padding": padding,
                      "seconds": round(time.perf_counter() - start, 4)}
     _true_notes(gm.amp_report, foreign_notes)
     for note in gm.amp_report["notes"]:
@@ -166,6 +173,16 @@ def _rewrite_train_and_eval(model: torch.nn.Module, example_inputs: Any,
     graphs = {mode: rewrite(model, example_inputs, mode=mode, **options)
               for mode in ("train", "eval")}
     return TrainEvalModule(graphs["train"], graphs["eval"], training=model.training)
+
+
+def _pad(gm: torch.fx.GraphModule, enabled: bool | PadPolicy) -> dict:
+    """Pad low GEMM/conv dims to multiples of 8 (``fx/pad.py``); the report's section."""
+    if not enabled:
+        return {"enabled": False}
+    pad = PadGemms(enabled if isinstance(enabled, PadPolicy) else None)
+    if pad(gm).modified:
+        refresh_fake_values(gm)
+    return pad.report()
 
 
 def graph_device(gm: torch.fx.GraphModule) -> str:

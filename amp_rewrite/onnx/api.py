@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from amp_rewrite.core import LowDtype
+from amp_rewrite.core import LowDtype, PadPolicy
 from amp_rewrite.core.runtime import gc_paused, listed
 from amp_rewrite.errors import ModelError, OutputCheckError
 from amp_rewrite.onnx import io, versions
@@ -74,14 +74,16 @@ def rewrite_onnx_model(source: str | os.PathLike | onnx.ModelProto | bytes | ir.
                        calibration_data: Mapping[str, np.ndarray] | str | os.PathLike | None = None,
                        calibration_threshold: float | None = None,
                        savings_weight: float = 0.0, check: bool = True,
-                       clamp_constants: bool = False, opset: int | None = None
-                       ) -> RewriteResult:
+                       clamp_constants: bool = False, opset: int | None = None,
+                       pad: bool | PadPolicy = True) -> RewriteResult:
     """Load, rewrite and check a model; returns the onnx_ir model and the report.
 
     Constants the low dtype cannot hold keep their readers fp32 (the report lists them
     under ``constants_kept_fp32``); ``clamp_constants=True`` stores them clamped instead.
     ``opset``: first convert the model to this ai.onnx opset (onnx's version converter);
     bf16 needs 22 for Conv, BatchNormalization, LSTM, ... (the report's ``opset_advice``).
+    ``pad``: pad low GEMM/conv dims to multiples of 8 (``amp_rewrite.onnx.pad``); a
+    ``PadPolicy`` pads with that policy instead of the default one.
     """
     start = time.perf_counter()
     low = LowDtype.parse(dtype)
@@ -93,7 +95,8 @@ def rewrite_onnx_model(source: str | os.PathLike | onnx.ModelProto | bytes | ir.
         pinned = _calibrate(source, model, low, calibration_data, calibration_threshold)
         options = OnnxOptions(low, keep_io_types, tuple(map(str, listed(rules))),
                               tuple(listed(keep_fp32)), pinned, savings_weight,
-                              clamp_constants=clamp_constants)
+                              clamp_constants=clamp_constants, pad=bool(pad),
+                              pad_policy=pad if isinstance(pad, PadPolicy) else None)
         pass_ = MixedPrecisionPass(options)
         pass_(model)
         versions.set_lowest_ir_version(model)

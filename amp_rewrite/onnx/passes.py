@@ -15,11 +15,13 @@ from dataclasses import dataclass, field
 import onnx
 import onnx_ir as ir
 
-from amp_rewrite.core import LowDtype, PrecisionPlan, RuleSet, load_rules, plan_precision
+from amp_rewrite.core import (LowDtype, PadPolicy, PrecisionPlan, RuleSet, load_rules,
+                              plan_precision)
 from amp_rewrite.core.report import node_records, precision_counts, unlisted_ops
 from amp_rewrite.onnx import io
 from amp_rewrite.onnx.apply import ApplyStats, apply_plan
 from amp_rewrite.core.rules import close_match
+from amp_rewrite.onnx.pad import PadStats, pad_model, pad_report
 from amp_rewrite.onnx.view import INSERTED_TAG, OnnxView, build_view
 
 logger = logging.getLogger(__name__)
@@ -39,6 +41,8 @@ class OnnxOptions:
     # Store constants beyond the low dtype's range clamped (and run their readers low), as
     # before issue 17; off by default: such constants keep their readers in fp32.
     clamp_constants: bool = False
+    pad: bool = True  # pad low GEMM/conv dims to multiples of 8 (onnx/pad.py)
+    pad_policy: PadPolicy | None = None  # None: core.padding.PadPolicy()
 
 
 class MixedPrecisionPass(ir.passes.InPlacePass):
@@ -52,6 +56,7 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
         self.view: OnnxView | None = None
         self.plan: PrecisionPlan | None = None
         self.stats: ApplyStats | None = None
+        self.pad_stats: PadStats | None = None
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graphs = list(io.walk_graphs(model.graph))  # one walk for both steps
@@ -65,8 +70,14 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
                                    wide_values=self.view.wide_values)
         _warn_unmatched_patterns(self.options.keep_fp32, self.view)
         self.stats = apply_plan(model, self.view, self.plan)
+        self.pad_stats = (pad_model(model, self.options.pad_policy) if self.options.pad
+                          else PadStats())
         _forget_load_time_types(model)
-        return ir.passes.PassResult(model, modified=self.stats.modified)
+        return ir.passes.PassResult(model, modified=self.modified)
+
+    @property
+    def modified(self) -> bool:
+        return self.stats.modified or self.pad_stats.modified
 
     def _pins(self) -> dict:
         """Groups that produce or read a value observed beyond the calibration threshold run
@@ -114,7 +125,8 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
             "pinned_by_calibration": sorted(self.options.pinned_values),
             "inserted_casts": s.inserted_casts,
             "opset_advice": self.opset_advice(),
-            "modified": s.modified,
+            "padding": pad_report(self.pad_stats) if self.options.pad else {"enabled": False},
+            "modified": self.modified,
         }
 
     def opset_advice(self) -> str | None:

@@ -1,0 +1,483 @@
+"""Padding plan: GEMM K/N and conv channel dims to multiples of 8 (DESIGN §4), pure.
+
+Tensor Cores want the leading dimensions of a low-precision GEMM (K and N: 16 bytes in
+fp16/bf16) and the channel counts of a conv to be multiples of 8. This module decides, on a
+framework-neutral *pad graph* the adapters build after the precision plan, which dims of which
+low GEMM/conv are padded, and how far the padded layout travels between them.
+
+Vocabulary. A *value* has a shape (ints; a str is a symbolic dim; None unknown). An *op* is
+one of ``GEMM`` (``y[..., N] = a[..., K] · b[K, N]`` with the K and N axes of each operand
+given by the adapter), ``CONV`` (channels on given axes, ``groups``), ``POINTWISE``
+(elementwise with broadcasting; each input aligned to the output by an axis offset, with the
+value its padding is filled with) or ``OPAQUE`` (anything else: a barrier).
+
+Decisions, kept apart as in Inductor's ``pad_mm``:
+
+* ``can_pad`` (legality): the op runs low; the dim is a static int; the dim is not already a
+  multiple; convs are ungrouped (a grouped conv with misaligned per-group channels would need
+  zero channels interleaved between its groups: per group or not at all, and this plan
+  chooses not at all).
+* ``should_pad`` (profitability, ``PadPolicy``): skip tiny ops (weight elements below
+  ``min_weight_elements``); pad each dim whose padded/unpadded ratio, which multiplies the
+  op's FLOPs, is at most ``max_flop_ratio`` (a 3-channel stem padded to 8 costs 2.7x: refused
+  by default); the weight's extra bytes grow by the same ratio (K and N are both weight
+  dims), so one cap bounds both. Dims are judged one by one, so a second run on the output
+  (where the padded dims are aligned) decides the others the same way: no double padding.
+  GEMMs whose operands are both activations (attention's q·kᵀ and scores·v, whose K/N are
+  token counts like ViT's 197) are not padded unless
+  ``pad_activation_gemms``: each would need runtime copies of both operands and a slice of the
+  scores before softmax, which costs more memory traffic than the GEMM itself.
+
+Regions. A padded GEMM N (or conv Cout) dim makes its output *produced padded*: the new
+columns are exactly 0 (zero weight columns, zero bias). The padded layout then propagates
+forward through ``POINTWISE`` ops whose ``finite_safe`` flag says they map finite values to
+finite values, 0 included (bias add, activation, BatchNorm in eval on the channel axis). Any
+finite value sitting in the padding is harmless to a GEMM that reads the dim as its padded K,
+since its K rows are zero. Propagation stops at anything else (reductions, normalisations,
+softmax over the dim, exp/log/div by a padded value, reshapes); a propagated op is kept only
+if its output reaches a padded K read through propagated ops, so the padded layout never
+travels where it only costs a slice later. Other inputs of a propagated op that vary along
+the dim are padded with their fill value (constants once; activations by a runtime pad).
+
+The plan is a contract for the adapter: ``produced[v]`` is the padded layout of every value a
+region op writes, ``reads[(op, v)]`` the padded layout in which a region op reads ``v``.
+Every other read is unpadded: the adapter inserts one slice per value read unpadded but
+produced padded, and one pad per (value, layout) read padded but produced unpadded.
+"""
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Hashable, Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import NamedTuple
+
+Dim = int | str | None
+
+
+class PadKind(enum.Enum):
+    GEMM = "gemm"
+    CONV = "conv"
+    POINTWISE = "pointwise"
+    OPAQUE = "opaque"
+
+    __hash__ = object.__hash__  # see precision.Precision
+
+
+class AxisPad(NamedTuple):
+    """Pad ``axis`` from ``size`` to ``padded`` with ``fill``."""
+
+    axis: int
+    size: int
+    padded: int
+    fill: float = 0.0
+
+
+class PadInput(NamedTuple):
+    """An input of a POINTWISE op: input axis = output axis − ``offset`` (numpy broadcasting
+    gives out_rank − in_rank; BatchNorm's 1-D parameters give 1 for the channel axis)."""
+
+    value: Hashable
+    offset: int = 0
+    fill: float = 0.0  # what its padding holds (BatchNorm's var: 1)
+    may_vary: bool = True  # False: the op only stays finite if this input is not padded
+
+
+class PadValue(NamedTuple):
+    key: Hashable
+    name: str
+    shape: tuple[Dim, ...] | None
+    constant: bool = False  # a weight: padded once (ONNX) or fused with its cast (fx)
+    itemsize: int = 2
+
+
+class PadOp(NamedTuple):
+    """One op of the pad graph; see the module docstring for the kinds.
+
+    GEMM: ``k_axes``/``n_axes`` map each operand (and the output, for N) to its K / N axis;
+    ``bias`` (if any) is padded along ``bias_axis`` with N. CONV: ``k_axes`` map x and w to
+    their input-channel axes, ``n_axes`` w, y (and bias) to their output-channel axes.
+    """
+
+    key: Hashable
+    name: str
+    kind: PadKind
+    inputs: tuple[Hashable, ...]
+    outputs: tuple[Hashable, ...]
+    low: bool = True
+    k_axes: tuple[tuple[Hashable, int], ...] = ()
+    n_axes: tuple[tuple[Hashable, int], ...] = ()
+    groups: int = 1
+    pointwise: tuple[PadInput, ...] = ()
+    finite_safe: bool = False
+
+
+@dataclass(frozen=True)
+class PadPolicy:
+    """Profitability knobs of ``should_pad`` (module docstring)."""
+
+    multiple: int = 8
+    max_flop_ratio: float = 1.5
+    min_weight_elements: int = 256
+    pad_activation_gemms: bool = False
+
+
+class DimPad(NamedTuple):
+    role: str  # 'K' | 'N' | 'Cin' | 'Cout'
+    size: int
+    padded: int
+
+
+class OpPadding(NamedTuple):
+    """What happens to one GEMM/conv: padded dims and why the others are not."""
+
+    op: Hashable
+    name: str
+    dims: tuple[DimPad, ...]
+    skipped: tuple[tuple[str, str], ...]  # (role, reason)
+    flops: int
+    padded_flops: int
+    extra_weight_bytes: int
+
+
+class PadGraph:
+    """Ops and values for padding; the adapter adds values before the ops that use them."""
+
+    def __init__(self) -> None:
+        self.values: dict[Hashable, PadValue] = {}
+        self.ops: dict[Hashable, PadOp] = {}
+        self.producer: dict[Hashable, Hashable] = {}
+        self.consumers: dict[Hashable, list[Hashable]] = {}
+
+    def add_value(self, value: PadValue) -> None:
+        self.values[value.key] = value
+        self.consumers.setdefault(value.key, [])
+
+    def add_op(self, op: PadOp) -> None:
+        self.ops[op.key] = op
+        for v in dict.fromkeys(op.inputs):
+            self.consumers.setdefault(v, []).append(op.key)
+        for v in op.outputs:
+            self.producer[v] = op.key
+
+    def shape(self, value: Hashable) -> tuple[Dim, ...] | None:
+        info = self.values.get(value)
+        return info.shape if info is not None else None
+
+    def is_constant(self, value: Hashable) -> bool:
+        info = self.values.get(value)
+        return info is not None and info.constant
+
+
+@dataclass(frozen=True)
+class PaddingPlan:
+    """The adapter contract (module docstring) and the report."""
+
+    produced: Mapping[Hashable, AxisPad]
+    reads: Mapping[tuple[Hashable, Hashable], tuple[AxisPad, ...]]
+    ops: Mapping[Hashable, OpPadding]  # every low GEMM/conv considered
+    propagated: frozenset  # POINTWISE ops that run on the padded layout
+    regions: int  # padded K reads that take a padded producer's output as is
+    policy: PadPolicy = field(default_factory=PadPolicy)
+
+    @property
+    def padded_ops(self) -> list[OpPadding]:
+        return [p for p in self.ops.values() if p.dims]
+
+    def is_empty(self) -> bool:
+        return not self.reads and not self.produced
+
+    @classmethod
+    def empty(cls, policy: PadPolicy | None = None) -> PaddingPlan:
+        """The plan of a graph with nothing to pad."""
+        none = MappingProxyType({})
+        return cls(none, none, none, frozenset(), 0, policy or PadPolicy())
+
+
+def round_up(size: int, multiple: int) -> int:
+    return -(-size // multiple) * multiple
+
+
+# ----------------------------------------------------------------------------- legality
+
+
+def _numel(shape: Iterable[Dim]) -> int | None:
+    dims = list(shape)
+    return math.prod(dims) if all(isinstance(d, int) for d in dims) else None
+
+
+def op_flops(graph: PadGraph, op: PadOp) -> int | None:
+    """2·(output elements)·(reduction length) for GEMM/conv; None with unknown shapes."""
+    out = graph.shape(op.outputs[0])
+    if out is None:
+        return None
+    known = [d if isinstance(d, int) else 1 for d in out]  # symbolic dims count once
+    if op.kind is PadKind.GEMM:
+        k = _dim(graph, op.k_axes[0])
+        return 2 * math.prod(known) * k if isinstance(k, int) else None
+    w, cout_axis = op.n_axes[0]
+    wshape = graph.shape(w)
+    if wshape is None or _numel(wshape) is None:
+        return None
+    return 2 * math.prod(known) * _numel(wshape) // wshape[cout_axis]
+
+
+def _dim(graph: PadGraph, ref: tuple[Hashable, int]) -> Dim:
+    shape = graph.shape(ref[0])
+    if shape is None or not -len(shape) <= ref[1] < len(shape):
+        return None
+    return shape[ref[1]]
+
+
+def _roles(op: PadOp) -> dict[str, tuple[tuple[Hashable, int], ...]]:
+    names = ("K", "N") if op.kind is PadKind.GEMM else ("Cin", "Cout")
+    return {names[0]: op.k_axes, names[1]: op.n_axes}
+
+
+def can_pad(graph: PadGraph, op: PadOp, role: str, multiple: int) -> str | None:
+    """None if ``role`` of ``op`` may be padded, else why not (legality only)."""
+    if not op.low:
+        return "runs high: only low-precision GEMMs/convs are padded"
+    if op.kind is PadKind.CONV and op.groups != 1:
+        return (f"grouped conv (groups={op.groups}): per-group padding would interleave zero "
+                "channels between groups; not padded")
+    refs = _roles(op)[role]
+    if len(set(op.inputs)) < len(op.inputs):
+        return f"{role}: one value is read as two operands (x·xᵀ); its layouts would clash"
+    dims = {_dim(graph, r) for r in refs}
+    if len(dims) != 1:
+        return f"{role} differs between operands {sorted(map(str, dims))}"
+    (size,) = dims
+    if size is None:
+        return f"{role} unknown"
+    if not isinstance(size, int):
+        return f"{role} is symbolic ({size}): its runtime pad would cost more than it saves"
+    if size % multiple == 0:
+        return f"{role}={size} already aligned"
+    return None
+
+
+# ----------------------------------------------------------------------------- profitability
+
+
+def _weight_elements(graph: PadGraph, op: PadOp) -> int | None:
+    if op.kind is PadKind.CONV:
+        return _numel(graph.shape(op.k_axes[1][0]) or (None,))
+    k = _dim(graph, op.k_axes[0])
+    n = _dim(graph, op.n_axes[-1])
+    return k * n if isinstance(k, int) and isinstance(n, int) else None
+
+
+def _all_activation(graph: PadGraph, op: PadOp) -> bool:
+    return op.kind is PadKind.GEMM and not any(graph.is_constant(v) for v, _ in op.k_axes)
+
+
+def should_pad(graph: PadGraph, op: PadOp, candidates: Mapping[str, DimPad],
+               policy: PadPolicy) -> tuple[dict[str, DimPad], dict[str, str]]:
+    """Which legal dims to pad and why not the rest.
+
+    Each dim is judged on its own (its padded/unpadded ratio against ``max_flop_ratio``), so
+    the answer for one dim never depends on whether another is already aligned: a second run
+    on the output pads nothing more. An op padded in two dims costs at most the cap squared.
+    """
+    refused: dict[str, str] = {}
+    if not candidates:
+        return {}, refused
+    elements = _weight_elements(graph, op)
+    if elements is not None and elements < policy.min_weight_elements:
+        return {}, {r: f"tiny op ({elements} weight elements < "
+                       f"{policy.min_weight_elements})" for r in candidates}
+    if _all_activation(graph, op) and not policy.pad_activation_gemms:
+        return {}, {r: "both operands are activations: runtime pads of both and a slice "
+                       "cost more traffic than the GEMM (pad_activation_gemms=False)"
+                    for r in candidates}
+    chosen = {}
+    for role, dim in candidates.items():
+        ratio = dim.padded / dim.size
+        if ratio <= policy.max_flop_ratio:
+            chosen[role] = dim
+        else:
+            refused[role] = (f"{role} {dim.size}→{dim.padded} costs {ratio:.2f}x the op's "
+                             f"FLOPs (max_flop_ratio {policy.max_flop_ratio} per dim)")
+    return chosen, refused
+
+
+# ----------------------------------------------------------------------------- planning
+
+
+def _plan_op(graph: PadGraph, op: PadOp, policy: PadPolicy) -> OpPadding:
+    candidates, skipped = {}, {}
+    for role in _roles(op):
+        why = can_pad(graph, op, role, policy.multiple)
+        if why is None:
+            size = _dim(graph, _roles(op)[role][0])
+            candidates[role] = DimPad(role, size, round_up(size, policy.multiple))
+        else:
+            skipped[role] = why
+    chosen, refused = should_pad(graph, op, candidates, policy)
+    skipped.update(refused)
+    flops = op_flops(graph, op) or 0
+    ratio = math.prod(d.padded / d.size for d in chosen.values())
+    elements = _weight_elements(graph, op) or 0
+    itemsize = graph.values[op.k_axes[-1][0]].itemsize if op.k_axes else 2
+    dims = tuple(chosen[r] for r in _roles(op) if r in chosen)
+    return OpPadding(op.key, op.name, dims, tuple(skipped.items()), flops,
+                     round(flops * ratio), int(round(elements * (ratio - 1)) * itemsize))
+
+
+def _op_demands(op: PadOp, padding: OpPadding) -> tuple[dict, dict]:
+    """reads[(op, v)] axes and produced[v] of one padded GEMM/conv."""
+    reads: dict[Hashable, list[AxisPad]] = {}
+    produced: dict[Hashable, AxisPad] = {}
+    roles = _roles(op)
+    for dim in padding.dims:
+        for i, (value, axis) in enumerate(roles[dim.role]):
+            pad = AxisPad(axis, dim.size, dim.padded)
+            if dim.role in ("N", "Cout") and value in op.outputs:
+                produced[value] = pad
+            else:
+                reads.setdefault(value, []).append(pad)
+    return reads, produced
+
+
+def _normalise(pad: AxisPad, rank: int) -> AxisPad:
+    return pad._replace(axis=pad.axis % rank)
+
+
+class _Planner:
+    """Seeds from padded GEMMs/convs, forward propagation, pruning (module docstring)."""
+
+    def __init__(self, graph: PadGraph, policy: PadPolicy) -> None:
+        self.graph, self.policy = graph, policy
+        self.reads: dict[tuple[Hashable, Hashable], tuple[AxisPad, ...]] = {}
+        self.produced: dict[Hashable, AxisPad] = {}
+        self.ops: dict[Hashable, OpPadding] = {}
+
+    def seed(self) -> None:
+        for op in self.graph.ops.values():
+            if op.kind not in (PadKind.GEMM, PadKind.CONV) or not op.low:
+                continue
+            padding = _plan_op(self.graph, op, self.policy)
+            self.ops[op.key] = padding
+            reads, produced = _op_demands(op, padding)
+            for value, pads in reads.items():
+                rank = len(self.graph.shape(value))
+                self.reads[(op.key, value)] = tuple(_normalise(p, rank) for p in pads)
+            for value, pad in produced.items():
+                self.produced[value] = _normalise(pad, len(self.graph.shape(value)))
+
+    def _output_pad(self, op: PadOp, value: Hashable, pad: AxisPad) -> AxisPad | None:
+        """The layout of ``op``'s output if it propagates ``value``'s padded ``pad``."""
+        if op.kind is not PadKind.POINTWISE or not op.finite_safe or len(op.outputs) != 1:
+            return None
+        out_shape = self.graph.shape(op.outputs[0])
+        spec = next((p for p in op.pointwise if p.value == value), None)
+        if out_shape is None or spec is None or not spec.may_vary:
+            return None
+        axis = pad.axis + spec.offset
+        if not 0 <= axis < len(out_shape) or out_shape[axis] != pad.size:
+            return None
+        return pad._replace(axis=axis, fill=0.0)
+
+    def _side_reads(self, op: PadOp, pad: AxisPad) -> dict | None:
+        """Padded layouts of every input of ``op`` that varies along the output's ``pad``."""
+        reads = {}
+        for spec in op.pointwise:
+            shape = self.graph.shape(spec.value)
+            if shape is None:
+                return None
+            axis = pad.axis - spec.offset
+            if not 0 <= axis < len(shape) or shape[axis] == 1:
+                continue  # broadcast along the padded dim: nothing to pad
+            if shape[axis] != pad.size or not spec.may_vary:
+                return None
+            reads[spec.value] = (AxisPad(axis, pad.size, pad.padded, spec.fill),)
+        return reads
+
+    def propagate(self) -> set[Hashable]:
+        """Tentative forward propagation; returns the POINTWISE ops taken."""
+        taken: set[Hashable] = set()
+        work = list(self.produced)
+        while work:
+            value = work.pop()
+            pad = self.produced[value]
+            for key in self.graph.consumers.get(value, []):
+                op = self.graph.ops[key]
+                if key in taken:
+                    continue
+                out_pad = self._output_pad(op, value, pad)
+                if out_pad is None or op.outputs[0] in self.produced:
+                    continue
+                sides = self._side_reads(op, out_pad)
+                if sides is None:
+                    continue
+                taken.add(key)
+                for v, pads in sides.items():
+                    self.reads[(key, v)] = pads
+                self.produced[op.outputs[0]] = out_pad
+                work.append(op.outputs[0])
+        return taken
+
+    def prune(self, taken: set[Hashable]) -> set[Hashable]:
+        """Keep propagated ops whose output reaches a padded K read through kept ops."""
+        useful: set[Hashable] = set()
+        work = [v for (op, v) in self.reads if op not in taken and self._reads_as_produced(op, v)]
+        seen = set(work)
+        while work:
+            producer = self.graph.producer.get(work.pop())
+            if producer in taken and producer not in useful:
+                useful.add(producer)
+                for v in self.graph.ops[producer].inputs:
+                    if v not in seen and self._reads_as_produced(producer, v):
+                        seen.add(v)
+                        work.append(v)
+        for key in taken - useful:
+            self.produced.pop(self.graph.ops[key].outputs[0])
+            for v in self.graph.ops[key].inputs:
+                self.reads.pop((key, v), None)
+        return useful
+
+    def _reads_as_produced(self, op: Hashable, value: Hashable) -> bool:
+        return self.reads.get((op, value)) == (self.produced.get(value),)
+
+    def regions(self) -> int:
+        """Padded layouts handed from one GEMM/conv to another without a slice and a pad."""
+        return sum(1 for (op, v) in self.reads
+                   if op in self.ops and self._reads_as_produced(op, v))
+
+
+def plan_padding(graph: PadGraph, policy: PadPolicy | None = None) -> PaddingPlan:
+    """The padding plan of every low GEMM/conv in ``graph`` (module docstring)."""
+    policy = policy or PadPolicy()
+    planner = _Planner(graph, policy)
+    planner.seed()
+    kept = planner.prune(planner.propagate())
+    return PaddingPlan(MappingProxyType(dict(planner.produced)),
+                       MappingProxyType(dict(planner.reads)),
+                       MappingProxyType(planner.ops), frozenset(kept),
+                       planner.regions(), policy)
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def padding_report(plan: PaddingPlan) -> dict:
+    """The report's ``padding`` section: padded ops with dims before → after, totals."""
+    padded = plan.padded_ops
+    flops = sum(p.flops for p in padded)
+    extra = sum(p.padded_flops - p.flops for p in padded)
+    return {
+        "padded_ops": len(padded),
+        "ops": [{"name": p.name, "dims": {d.role: f"{d.size}→{d.padded}" for d in p.dims},
+                 "extra_flops": p.padded_flops - p.flops,
+                 "extra_weight_bytes": p.extra_weight_bytes} for p in padded],
+        "not_padded": [{"name": p.name, "reasons": dict(p.skipped)}
+                       for p in plan.ops.values() if p.skipped
+                       and not all(r.endswith("already aligned") for _, r in p.skipped)],
+        "extra_flops": extra,
+        "extra_flop_fraction": round(extra / flops, 4) if flops else 0.0,
+        "extra_weight_bytes": sum(p.extra_weight_bytes for p in padded),
+        "regions_propagated": plan.regions,
+        "ops_propagated": len(plan.propagated),
+    }
