@@ -41,6 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--savings-weight", type=float, default=0.0, metavar="BETA",
                    help="price of a byte of traffic saved vs a byte cast: 0 (default) gives "
                    "the fewest cast bytes; 1 also runs ops low whose savings pay their casts")
+    p.add_argument("--target", choices=["ort", "onnx"], default="ort",
+                   help="fused ops may be onnxruntime contrib ops (ort, default) or standard "
+                   "ONNX ops of the model's opset only (onnx: TensorRT and other runtimes)")
+    p.add_argument("--no-fuse", dest="fuse", action="store_false",
+                   help="no pattern fusion before the plan (LayerNorm, RMSNorm, GELU, "
+                   "attention chains stay spelled out)")
     p.add_argument("--validate", action="store_true",
                    help="compare FP32 and rewritten outputs in onnxruntime (exit 4 on failure)")
     p.add_argument("--tolerance", type=float, help="max relative output error for --validate")
@@ -103,7 +109,8 @@ def _rewrite(args) -> int:
                                     rules=args.rules, keep_fp32=args.keep_fp32,
                                     calibration_data=args.calibrate,
                                     calibration_threshold=args.threshold,
-                                    savings_weight=args.savings_weight)
+                                    savings_weight=args.savings_weight, fuse=args.fuse,
+                                    target=args.target)
         validation = None
         if args.validate:
             stages.step("validate")
@@ -169,6 +176,8 @@ def _print_summary(r: dict) -> None:
     rows = [("output", r["output"]), ("dtype", r["dtype"]),
             ("nodes low / high", f"{counts['low']} / {counts['high']}"),
             ("casts inserted", r["casts_inserted"]),
+            ("fused chains", ", ".join(f"{k.split('::')[-1]} {v}" for k, v in
+                                       r.get("fused", {}).items()) or "none"),
             ("constants converted", f"{r['constants_converted']} "
                                     f"({r['constant_bytes_converted'] / 2**20:.2f} MiB fp32)"),
             ("values clamped", r["values_clamped"]),

@@ -69,7 +69,8 @@ def rewrite_onnx_model(source: str | os.PathLike | onnx.ModelProto | bytes, *,
                        rules: Iterable[str | os.PathLike] = (), keep_fp32: Iterable[str] = (),
                        calibration_data: Mapping[str, np.ndarray] | str | os.PathLike | None = None,
                        calibration_threshold: float | None = None,
-                       savings_weight: float = 0.0, check: bool = True) -> RewriteResult:
+                       savings_weight: float = 0.0, check: bool = True, fuse: bool = True,
+                       target: str = "ort") -> RewriteResult:
     """Load, rewrite and check a model; returns the onnx_ir model and the report."""
     start = time.perf_counter()
     low = LowDtype.parse(dtype)
@@ -78,11 +79,12 @@ def rewrite_onnx_model(source: str | os.PathLike | onnx.ModelProto | bytes, *,
         had_external = io.input_had_external_data(model)
         pinned = _calibrate(source, model, low, calibration_data, calibration_threshold)
         options = OnnxOptions(low, keep_io_types, tuple(map(str, listed(rules))),
-                              tuple(listed(keep_fp32)), pinned, savings_weight)
+                              tuple(listed(keep_fp32)), pinned, savings_weight,
+                              fuse=fuse, target=target)
         pass_ = MixedPrecisionPass(options)
         pass_(model)
         result = RewriteResult(model, pass_, had_external)
-        if check and pass_.stats.modified:
+        if check and pass_.report_modified():
             _check_output(result)
     result.seconds = time.perf_counter() - start
     return result

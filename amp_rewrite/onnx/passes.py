@@ -15,6 +15,7 @@ from amp_rewrite.core import LowDtype, PrecisionPlan, RuleSet, load_rules, plan_
 from amp_rewrite.core.report import node_records, precision_counts, unlisted_ops
 from amp_rewrite.onnx import io
 from amp_rewrite.onnx.apply import ApplyStats, apply_plan
+from amp_rewrite.onnx.fusion import FUSED_TAG, FusionPass
 from amp_rewrite.onnx.view import INSERTED_TAG, OnnxView, build_view
 
 
@@ -29,6 +30,8 @@ class OnnxOptions:
     # value name -> observed max |x| from calibration, already above the threshold
     pinned_values: Mapping[str, float] = field(default_factory=dict)
     savings_weight: float = 0.0  # β: see amp_rewrite.core.placement.place
+    fuse: bool = True  # pattern fusion before the plan (amp_rewrite.onnx.fusion)
+    target: str = "ort"  # "ort": contrib ops allowed; "onnx": standard ops only
 
 
 class MixedPrecisionPass(ir.passes.InPlacePass):
@@ -41,8 +44,12 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
         self.view: OnnxView | None = None
         self.plan: PrecisionPlan | None = None
         self.stats: ApplyStats | None = None
+        self.fusion: FusionPass | None = None
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        if self.options.fuse:  # DESIGN §4: fuse first, then plan
+            self.fusion = FusionPass(self.options.target)
+            self.fusion(model)
         graphs = list(io.walk_graphs(model.graph))  # one walk for both steps
         infer_missing_types(model, graphs)
         self.view = build_view(model, self.options.dtype,
@@ -52,7 +59,11 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
                                    savings_weight=self.options.savings_weight)
         self.stats = apply_plan(model, self.view, self.plan)
         _forget_load_time_types(model)
-        return ir.passes.PassResult(model, modified=self.stats.modified)
+        return ir.passes.PassResult(model, modified=self.report_modified())
+
+    def report_modified(self) -> bool:
+        """Whether the apply step or the fusion step changed the model."""
+        return self.stats.modified or bool(self.fusion and self.fusion.rule_hits)
 
     def _pins(self) -> dict:
         """Producers of values observed beyond the calibration threshold run high."""
@@ -84,14 +95,18 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
             "clamped_constants": s.clamped_constants,
             "unlisted_ops": unlisted_ops(records),
             "pinned_by_calibration": sorted(self.options.pinned_values),
-            "modified": s.modified,
+            "fused": dict(self.fusion.fused) if self.fusion else {},
+            "fusion_rules": dict(self.fusion.rule_hits) if self.fusion else {},
+            "modified": self.report_modified(),
         }
 
     def explain(self, node_name: str) -> list[str]:
         from amp_rewrite.core import explain_chain
 
         keys = [g.key for g in self.view.graph.groups() if g.name == node_name]
-        return [line for k in keys for line in explain_chain(self.plan, self.view.graph, k)]
+        lines = [line for k in keys for line in explain_chain(self.plan, self.view.graph, k)]
+        fused_by = {self.view.groups[k][0].metadata_props.get(FUSED_TAG) for k in keys} - {None}
+        return [f"{node_name}: created by fusion rule {r}" for r in sorted(fused_by)] + lines
 
 
 def infer_missing_types(model: ir.Model, graphs: list[ir.Graph]) -> None:
