@@ -174,6 +174,7 @@ class FusionPass(ir.passes.InPlacePass):
             total += count
             if not count:
                 break
+        _forget_matches(rules)
         if not total:
             return 0
         for node in _all_nodes(model):
@@ -206,6 +207,16 @@ def _finish(model: ir.Model) -> None:
         if FUSED_TAG in node.metadata_props:
             _drop_unused_outputs(node)
             _type_outputs(node, model)
+
+
+def _forget_matches(rules) -> None:
+    """onnxscript's matchers keep the graph, node and match they saw last; its rule sets are
+    module-level objects, so that would keep the whole model alive after the rewrite."""
+    for rule in rules.rules:
+        matcher = getattr(rule, "_matcher", None)
+        for attr in ("_graph", "_current_node", "_match"):
+            if hasattr(matcher, attr):
+                setattr(matcher, attr, None)
 
 
 def _unlink(nodes: list[ir.Node]) -> None:
