@@ -146,6 +146,7 @@ class FusionPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1))
         hits: dict[str, int] = {}
+        self._created: set[int] = set()
         for step in fusion_steps(self.target, opset):
             if not step.anchors & {n.op_type for n in _all_nodes(model)}:
                 continue  # no node the step's patterns need: skip matching every node
@@ -161,7 +162,7 @@ class FusionPass(ir.passes.InPlacePass):
         if modified:
             _finish(model)
         self.rule_hits = hits
-        self.fused = fused_counts(model)
+        self.fused = fused_counts(model, self._created)
         return ir.passes.PassResult(model, modified=modified)
 
     def _apply(self, model: ir.Model, step: FusionStep) -> int:
@@ -179,6 +180,7 @@ class FusionPass(ir.passes.InPlacePass):
             return 0
         for node in _all_nodes(model):
             if id(node) not in before:
+                self._created.add(id(node))
                 node.metadata_props[FUSED_TAG] = step.name
                 _type_outputs(node, model)
         removed = [n for n in before_nodes if n.graph is None]
@@ -237,10 +239,13 @@ def _drop_unused_outputs(node: ir.Node) -> None:
             value.name, value.type, value.shape = "", None, None
 
 
-def fused_counts(model: ir.Model) -> dict[str, int]:
-    """Fused ops this step created, by op key (``{"com.microsoft::SkipLayerNormalization": 4}``)."""
-    counts = collections.Counter(op_key(n) for n in _all_nodes(model)
-                                 if FUSED_TAG in n.metadata_props and op_key(n) in FUSED_OPS)
+def fused_counts(model: ir.Model, created: set[int] | None = None) -> dict[str, int]:
+    """Fused ops by op key (``{"com.microsoft::SkipLayerNormalization": 4}``): those tagged by
+    the fusion step, and of those only the ``created`` ones (node ids) if given."""
+    counts = collections.Counter(
+        op_key(n) for n in _all_nodes(model)
+        if FUSED_TAG in n.metadata_props and op_key(n) in FUSED_OPS
+        and (created is None or id(n) in created))
     return dict(sorted(counts.items()))
 
 
