@@ -348,3 +348,19 @@ def test_rewriting_a_fused_output_again_changes_nothing(zoo_case):
     again = rewrite_onnx_model(once)
     assert not again.report["modified"] and again.report["fused"] == {}
     assert again.proto() == once or rewrite_onnx(once) == once
+
+
+def test_onnx_target_fuses_attention_into_the_standard_op_at_opset_23():
+    """Standard-domain output only: eager attention → Attention (23), checked in both runtimes."""
+    from amp_rewrite.bench import zoo
+
+    path = zoo.cached_onnx("bert", opset=23)
+    feeds = zoo.onnx_inputs(zoo.build("bert"), path)
+    result = rewrite_onnx_model(path, target="onnx")
+    assert result.report["fused"] == {"Attention": 2}
+    out = result.proto()
+    assert {n.domain for n in out.graph.node} <= {"", "ai.onnx"}
+    ref = validate.run(onnx.load(path), feeds)
+    for run in (validate.run, validate.reference_run):
+        for err in validate.compare(ref, run(out, validate.as_declared(out, feeds))):
+            assert err.ok(1e-2), (run.__name__, err)

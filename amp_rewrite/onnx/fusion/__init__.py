@@ -106,6 +106,8 @@ def _ort_steps() -> list[FusionStep]:
 
 
 def _onnx_steps() -> list[FusionStep]:
+    from onnxscript.rewriter import pattern
+    from onnxscript.rewriter.ort_fusions import sdpa
     from onnxscript.rewriter.rules.fusion import _layer_norm, _rms_normalization
 
     from amp_rewrite.onnx.fusion import rules as own
@@ -117,6 +119,11 @@ def _onnx_steps() -> list[FusionStep]:
                    lambda: _layer_norm.layer_normalization_ruleset, min_opset=17),
         FusionStep("rules.fusion.rms_normalization", _ops("ReduceMean"),
                    lambda: _rms_normalization.rms_normalization_ruleset, min_opset=23),
+        FusionStep("ort_fusions.sdpa", _ops("Softmax"),
+                   lambda: pattern.RewriteRuleSet([sdpa.SDPA.rule(as_function=True)]),
+                   min_opset=23, rounds=1),
+        FusionStep("amp_rewrite.sdpa_to_attention", _ops("SDPA"),
+                   own.sdpa_to_attention_rules, min_opset=23, rounds=1),
     ]
 
 
@@ -293,6 +300,18 @@ def _type_outputs(node: ir.Node, model: ir.Model) -> None:
             node.outputs[3].shape = first.shape
     elif node.op_type == "MultiHeadAttention":
         out.shape = _mha_output_shape(node)
+    elif node.op_type == "Attention" and node.domain in ("", "ai.onnx"):
+        out.shape = _attention_output_shape(node)
+
+
+def _attention_output_shape(node: ir.Node) -> ir.Shape | None:
+    """(batch, heads, q_sequence, v_head_size) for 4-D standard Attention inputs."""
+    q, v = node.inputs[0], node.inputs[2]
+    if q is None or v is None or q.shape is None or v.shape is None:
+        return None
+    if len(q.shape) == 4 and len(v.shape) == 4:
+        return ir.Shape([q.shape[0], q.shape[1], q.shape[2], v.shape[3]])
+    return None
 
 
 def _mha_output_shape(node: ir.Node) -> ir.Shape | None:

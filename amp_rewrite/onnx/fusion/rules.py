@@ -195,3 +195,47 @@ def fast_gelu_bias_rules() -> pattern.RewriteRuleSet:
 
 def rule_count(rule_set: pattern.RewriteRuleSet) -> int:
     return len(rule_set.rules)
+
+
+class SdpaToAttention(pattern.RewriteRuleClassBase):
+    """onnxscript's intermediate SDPA call → the standard ``Attention`` op (opset 23).
+
+    Both take 4-D (batch, heads, sequence, head_size) query/key/value, an additive mask, and
+    scale 1/√head_size unless given; a key in (B, S, H, d) layout is transposed first.
+    """
+
+    def __init__(self, name: str, masked: bool) -> None:
+        super().__init__(name)
+        self._masked = masked
+
+    def pattern(self, op, query, key, value, mask):
+        inputs = [query, key, value, mask] if self._masked else [query, key, value]
+        return op.SDPA(*inputs, _domain=SDPA_DOMAIN, _outputs=["sdpa_output"])
+
+    def check(self, context, query, key, value, sdpa_output, **_):
+        result = pattern.MatchResult()
+        node = sdpa_output.producer()
+        key_format = node.attributes.get_string("key_format", "BHSd")
+        if key_format not in ("BHSd", "BSHd"):
+            return result.fail(f"key format {key_format} is not supported", key)
+        for v in (query, key, value):
+            if v.shape is None or v.shape.rank() != 4:
+                return result.fail("attention inputs are not 4-D", v)
+        return result
+
+    def rewrite(self, op, query, key, value, sdpa_output, mask=None, **_):
+        node = sdpa_output.producer()
+        if node.attributes.get_string("key_format", "BHSd") == "BSHd":
+            key = op.Transpose(key, perm=[0, 2, 1, 3])
+        scale = node.attributes.get_float("scale", None)
+        attrs = {} if scale is None else {"scale": scale}
+        inputs = [query, key, value] + ([mask] if self._masked else [])
+        return op.Attention(*inputs, **attrs)
+
+
+SDPA_DOMAIN = "ai.onnxruntime._fusion"
+
+
+def sdpa_to_attention_rules() -> pattern.RewriteRuleSet:
+    return pattern.RewriteRuleSet([SdpaToAttention.rule("sdpa_to_attention_masked", masked=True),
+                                   SdpaToAttention.rule("sdpa_to_attention", masked=False)])
