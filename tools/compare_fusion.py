@@ -20,8 +20,8 @@ NaN/Inf), and ``ort_fused``: fused ops in onnxruntime's own optimised graph
 (``fp32 ort_fused``); ``splits``: casts placed on a value inside a chain that ORT's optimiser
 fuses in the FP32 model (provider-independent: such a cast keeps ORT from fusing the chain).
 
-    AMP_REWRITE_CACHE=... python tools/compare_fusion.py [--names bert t5] \
-        [--out results/compare_fusion.json]
+    AMP_REWRITE_CACHE=... python tools/compare_fusion.py [--names bert t5] [--opset 23]
+        [--target ort|onnx] [--out results/compare_fusion.json]
 """
 from __future__ import annotations
 
@@ -147,13 +147,19 @@ def ort_optimizer_candidates(path: Path) -> dict[str, onnx.ModelProto]:
     from onnxruntime.transformers import optimizer
 
     out = {}
-    for model_type in ORT_MODEL_TYPES:
+    here = os.getcwd()
+    with tempfile.TemporaryDirectory() as tmp:
+        os.chdir(tmp)  # its shape inference and fp16 conversion leave files in the cwd
         try:
-            optimized = optimizer.optimize_model(str(path), model_type=model_type)
-            optimized.convert_float_to_float16(keep_io_types=True)
-            out[model_type] = optimized.model
-        except Exception as e:  # a model type that does not fit this architecture
-            log.info("ort optimizer %s failed: %s", model_type, e)
+            for model_type in ORT_MODEL_TYPES:
+                try:
+                    optimized = optimizer.optimize_model(str(path), model_type=model_type)
+                    optimized.convert_float_to_float16(keep_io_types=True)
+                    out[model_type] = optimized.model
+                except Exception as e:  # a model type that does not fit this architecture
+                    log.info("ort optimizer %s failed: %s", model_type, e)
+        finally:
+            os.chdir(here)
     return out
 
 
@@ -173,12 +179,12 @@ def best_ort_optimizer(fp32_out, feeds, path: Path, deny, inside) -> dict | None
     return rows[order[0]]
 
 
-def converters() -> dict[str, Callable[[onnx.ModelProto], onnx.ModelProto]]:
+def converters(target: str) -> dict[str, Callable[[onnx.ModelProto], onnx.ModelProto]]:
     import amp_rewrite
 
     chosen = {
         "amp_rewrite": lambda m: amp_rewrite.rewrite_onnx(m, dtype="float16", fuse=True,
-                                                          target="ort"),
+                                                          target=target),
         "amp_rewrite_nofuse": lambda m: amp_rewrite.rewrite_onnx(m, dtype="float16",
                                                                  fuse=False),
     }
@@ -191,8 +197,8 @@ def converters() -> dict[str, Callable[[onnx.ModelProto], onnx.ModelProto]]:
     return chosen
 
 
-def compare_model(name: str, chosen: dict, deny: set[str]) -> list[dict]:
-    path = zoo.cached_onnx(name)
+def compare_model(name: str, chosen: dict, deny: set[str], opset: int | None) -> list[dict]:
+    path = zoo.cached_onnx(name, opset=opset)
     fp32 = onnx.load(path)
     feeds = zoo.onnx_inputs(zoo.build(name), path)
     fp32_out = validate.run(fp32, feeds)
@@ -273,14 +279,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--names", nargs="*", default=list(zoo.NAMES))
     p.add_argument("--out", type=Path, default=Path("results/compare_fusion.json"))
+    p.add_argument("--opset", type=int, default=None, help="zoo export opset (default 18)")
+    p.add_argument("--target", choices=["ort", "onnx"], default="ort",
+                   help="amp_rewrite's fusion target")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     warnings.simplefilter("ignore")
-    chosen = converters()
+    chosen = converters(args.target)
     deny = set(load_rules("onnx").ops(OpClass.DENY))
     rows = []
     for name in args.names:
-        rows += compare_model(name, chosen, deny)
+        rows += compare_model(name, chosen, deny, args.opset)
         print(f"[{name} done]", file=sys.stderr, flush=True)
     print_table(rows)
     missed = targets(rows)
