@@ -149,11 +149,12 @@ class FusionPass(ir.passes.InPlacePass):
         self.target = target
         self.fused: dict[str, int] = {}
         self.rule_hits: dict[str, int] = {}
+        self._created: set[int] = set()  # ids of the nodes this run created
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1))
         hits: dict[str, int] = {}
-        self._created: set[int] = set()
+        self._created = set()
         present = {n.op_type for n in _all_nodes(model)}
         for step in fusion_steps(self.target, opset):
             if not step.anchors & present:
