@@ -309,7 +309,7 @@ def zoo_case():
     return get
 
 
-def _ort_session_fused(model: onnx.ModelProto) -> int:
+def _ort_optimized(model: onnx.ModelProto) -> onnx.ModelProto:
     import onnxruntime as ort
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -318,9 +318,20 @@ def _ort_session_fused(model: onnx.ModelProto) -> int:
         options.optimized_model_filepath = os.path.join(tmp, "o.onnx")
         ort.InferenceSession(model.SerializeToString(), options,
                              providers=["CPUExecutionProvider"])
-        optimized = onnx.load(options.optimized_model_filepath)
+        return onnx.load(options.optimized_model_filepath)
+
+
+def _ort_session_fused(model: onnx.ModelProto) -> int:
     kinds = {k.split("::")[-1] for k in FUSED_OPS}
-    return sum(n.domain == "com.microsoft" or n.op_type in kinds for n in optimized.graph.node)
+    return sum(n.domain == "com.microsoft" or n.op_type in kinds
+               for n in _ort_optimized(model).graph.node)
+
+
+def _inside_ort_fused_chains(fp32: onnx.ModelProto) -> set[str]:
+    """Values ORT's optimiser fuses away in the FP32 model (fusions keep boundary values)."""
+    kept = {v for n in _ort_optimized(fp32).graph.node for v in (*n.input, *n.output)}
+    return {o for n in fp32.graph.node if n.op_type != "Constant" for o in n.output
+            if o not in kept}
 
 
 @pytest.mark.parametrize("name, kinds", [
@@ -340,6 +351,9 @@ def test_zoo_model_fuses_runs_all_low_and_keeps_ort_fusions(name, kinds, zoo_cas
         for err in validate.compare(ref, run(out, validate.as_declared(out, feeds))):
             assert err.ok(1e-2), (run.__name__, err)
     assert _ort_session_fused(out) >= _ort_session_fused(fp32)
+    inside = _inside_ort_fused_chains(fp32)
+    assert inside  # the control: ORT does fuse chains of the FP32 model
+    assert not [n.input[0] for n in out.graph.node if n.op_type == "Cast" and n.input[0] in inside]
 
 
 def test_rewriting_a_fused_output_again_changes_nothing(zoo_case):
