@@ -378,3 +378,16 @@ def test_onnx_target_fuses_attention_into_the_standard_op_at_opset_23():
     for run in (validate.run, validate.reference_run):
         for err in validate.compare(ref, run(out, validate.as_declared(out, feeds))):
             assert err.ok(1e-2), (run.__name__, err)
+
+
+def test_cli_flags_and_summary_row(tmp_path, capsys):
+    from amp_rewrite.cli import main
+
+    src = tmp_path / "m.onnx"
+    onnx.save(model_of(QUICK_GELU), src)
+    assert main([str(src), "-o", str(tmp_path / "a.onnx")]) == 0
+    assert "fused chains              QuickGelu 1" in capsys.readouterr().out
+    assert main([str(src), "-o", str(tmp_path / "b.onnx"), "--no-fuse"]) == 0
+    assert "fused chains              none" in capsys.readouterr().out
+    assert main([str(src), "-o", str(tmp_path / "c.onnx"), "--target", "onnx"]) == 0
+    assert {n.domain for n in onnx.load(tmp_path / "c.onnx").graph.node} <= {""}
