@@ -6,13 +6,19 @@ Exit codes (DESIGN §7): 0 ok, 1 internal error, 2 usage or rule-file error,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import os
+import signal
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
-from amp_rewrite.errors import AmpRewriteError, UsageError, ValidationError
+from amp_rewrite.errors import (AmpRewriteError, ModelError, OutputCheckError, UsageError,
+                                ValidationError)
 
 logger = logging.getLogger("amp_rewrite")
 
@@ -22,12 +28,49 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see amp-rewrite --help)")
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the process is, so every ``with`` block cleans up."""
+
+
+def _epilog() -> str:
+    from amp_rewrite.core import LowDtype
+    from amp_rewrite.core.rules import ENV_FILES, RULE_CLASSES
+    from amp_rewrite.onnx.api import default_threshold
+    from amp_rewrite.onnx.validate import REL_TOLERANCE
+
+    per_dtype = [(d, REL_TOLERANCE[d], default_threshold(d)) for d in LowDtype]
+    classes = ", ".join(c.value.upper() for c in RULE_CLASSES)
+    return "\n".join([
+        "defaults per --dtype:",
+        *(f"  {d.value:9} --tolerance {tol:g}  --threshold {thr:g}" for d, tol, thr in per_dtype),
+        "",
+        "exit codes:",
+        "  0  ok",
+        "  1  internal error (a bug: rerun with -v and report it)",
+        "  2  usage or rule-file error (nothing written)",
+        "  3  unreadable, invalid or unsupported model (nothing written)",
+        "  4  validation failed or could not run (model not written; --report still is)",
+        "  130, 143  interrupted by SIGINT, SIGTERM (temporary files removed)",
+        "",
+        "environment:",
+        f"  {ENV_FILES}  rule overlay files, separated by '{os.pathsep}' (after --rules)",
+        "  AMP_REWRITE_<CLASS>_ADD, AMP_REWRITE_<CLASS>_REMOVE",
+        f"      comma-separated op keys added to / removed from a class ({classes})",
+    ])
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from amp_rewrite import __version__
+
     p = _Parser(prog="amp-rewrite", description="Rewrite an FP32 ONNX model to mixed precision "
-                "with the exact minimum of casts.")
+                "with the exact minimum of casts.", epilog=_epilog(),
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"amp-rewrite {__version__}")
     p.add_argument("model", nargs="?", help="input .onnx model (never overwritten)")
-    p.add_argument("-o", "--output", help="output path (default: MODEL.amp.onnx)")
-    p.add_argument("--dtype", default="fp16", choices=["fp16", "bf16", "float16", "bfloat16"])
+    p.add_argument("-o", "--output", help="output file, or an existing directory "
+                   "(default: MODEL.amp.onnx)")
+    p.add_argument("--dtype", default="fp16", choices=["fp16", "bf16", "float16", "bfloat16"],
+                   help="low precision (default: fp16)")
     p.add_argument("--rules", action="append", default=[], metavar="FILE",
                    help="rule overlay TOML (repeatable; later files win)")
     p.add_argument("--keep-fp32", action="append", default=[], metavar="PATTERN",
@@ -36,8 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="let graph inputs/outputs change dtype too")
     p.add_argument("--calibrate", metavar="DATA.npz",
                    help="inputs for a FP32 run; values beyond --threshold stay fp32")
-    p.add_argument("--threshold", type=float, help="calibration magnitude limit (default 4096 "
-                   "for fp16)")
+    p.add_argument("--threshold", type=float, help="calibration magnitude limit (default: "
+                   "per dtype, below)")
     p.add_argument("--savings-weight", type=float, default=0.0, metavar="BETA",
                    help="price of a byte of traffic saved vs a byte cast: 0 (default) gives "
                    "the fewest cast bytes; 1 also runs ops low whose savings pay their casts")
@@ -48,9 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no pattern fusion before the plan (LayerNorm, RMSNorm, GELU, "
                    "attention chains stay spelled out)")
     p.add_argument("--validate", action="store_true",
-                   help="compare FP32 and rewritten outputs in onnxruntime (exit 4 on failure)")
-    p.add_argument("--tolerance", type=float, help="max relative output error for --validate")
-    p.add_argument("--report", metavar="FILE.json", help="write per-node decisions as JSON")
+                   help="compare FP32 and rewritten outputs in onnxruntime on the --calibrate "
+                   "data or seeded random inputs (exit 4 on failure)")
+    p.add_argument("--tolerance", type=float, help="max relative output error for --validate "
+                   "(default: per dtype, below)")
+    p.add_argument("--report", metavar="FILE.json", help="write per-node decisions and every "
+                   "inserted cast as JSON")
     p.add_argument("--explain", metavar="NODE", action="append", default=[],
                    help="print the chain of reasons for one node")
     p.add_argument("--list-rules", action="store_true", help="print the effective op lists")
@@ -61,19 +107,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        args = build_parser().parse_args(argv)
-        logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
-                            format="amp-rewrite: %(levelname)s: %(message)s")
-        if args.list_rules:
-            return _list_rules(args)
-        if not args.model:
-            raise UsageError("missing MODEL.onnx (see amp-rewrite --help)")
-        return _rewrite(args)
+        with _sigterm_as_interrupt():
+            return _main(argv)
     except AmpRewriteError as e:
         print(f"amp-rewrite: error: {e}", file=sys.stderr)
         return e.exit_code
+    except _Terminated:
+        print("amp-rewrite: terminated; temporary files removed", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
-        print("amp-rewrite: interrupted; nothing was written", file=sys.stderr)
+        print("amp-rewrite: interrupted; temporary files removed", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - last resort: one line, exit 1, no traceback
         print(f"amp-rewrite: internal error: {type(e).__name__}: {e} "
@@ -83,58 +126,180 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def _main(argv: list[str] | None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help, --version: argparse printed them
+        return e.code if isinstance(e.code, int) else 0
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="amp-rewrite: %(levelname)s: %(message)s")
+    if args.list_rules:
+        return _list_rules(args)
+    if not args.model:
+        raise UsageError("missing MODEL.onnx (see amp-rewrite --help)")
+    return _rewrite(args)
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    def on_term(signum, frame):
+        raise _Terminated()
+
+    try:
+        previous = signal.signal(signal.SIGTERM, on_term)
+    except ValueError:  # not the main thread: leave signals alone
+        previous = None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
 def _list_rules(args) -> int:
     from amp_rewrite.core import load_rules
+    from amp_rewrite.onnx.passes import known_op_keys
 
-    rules = load_rules("onnx", args.rules)
+    rules = load_rules("onnx", args.rules, known_ops=known_op_keys())
     for entry in rules.entries():
         print(f"{entry.op_class.value:6} {entry.op:40} {entry.reason}  [{entry.source}]")
     return 0
 
 
+@dataclass
+class _RunPaths:
+    model: Path
+    output: Path
+    report: Path | None
+    reads: dict[str, list]  # what it is -> paths; external data is added once loaded
+    writes: dict[str, Path]  # flag -> path
+
+
 def _rewrite(args) -> int:
     from amp_rewrite.core.runtime import gc_paused
     from amp_rewrite.onnx import io
-    from amp_rewrite.onnx.api import rewrite_onnx_model
 
     start = time.perf_counter()
-    io.check_input_path(args.model)
-    out = io.check_output_path(args.model, args.output or io.default_output_path(args.model))
-    _check_side_paths(args)
+    paths = _check_paths(args)
     # The collector stays paused until the IR is freed: it would rescan the whole IR (~1M
     # objects at 50k nodes) during the check and the save, and once more at exit.
-    with gc_paused(), _Stages(args) as stages:
-        stages.step("rewrite")
-        result = rewrite_onnx_model(args.model, dtype=args.dtype, keep_io_types=args.keep_io_types,
-                                    rules=args.rules, keep_fp32=args.keep_fp32,
-                                    calibration_data=args.calibrate,
-                                    calibration_threshold=args.threshold,
-                                    savings_weight=args.savings_weight, fuse=args.fuse,
-                                    target=args.target)
-        validation = None
-        if args.validate:
-            stages.step("validate")
-            validation = _validate(args, result)
-        stages.step("save")
-        if validation is not None and not all(e.ok(validation[1]) for e in validation[0]):
-            _print_validation(validation)
-            raise ValidationError("rewritten outputs differ from FP32 beyond tolerance "
-                                  f"{validation[1]:g}; nothing written (try --keep-fp32 or "
-                                  "--calibrate)")
-        result.save(out)
-        _finish(args, result, out, validation, time.perf_counter() - start)
+    with gc_paused():
+        with _Stages(args) as stages:
+            result = _load_and_rewrite(args, paths, stages)
+            validation, failure = _validate_stage(args, result, stages)
+            if failure is None:
+                stages.step("save")
+                with _input_blamed_if_invalid(paths.model):  # external data: checked on disk
+                    result.save(paths.output,
+                                keep=[p for group in paths.reads.values() for p in group])
+        # the progress bar is finished and cleared before anything is printed
+        _finish(args, result, None if failure else paths.output, validation,
+                time.perf_counter() - start, paths.report)
+        if failure is not None:
+            raise failure
         io.release(result.model)
         del result
     return 0
 
 
-def _check_side_paths(args) -> None:
-    """Fail before any work, so a bad --report path never leaves a model without its report."""
-    if args.report and not Path(args.report).resolve().parent.is_dir():
-        raise UsageError(f"--report {args.report}: directory {Path(args.report).parent} "
-                         "does not exist")
+def _check_paths(args) -> _RunPaths:
+    """Every path argument checked before any work; nothing written is something read."""
+    from amp_rewrite.onnx import io
+
+    model = io.check_input_path(args.model)
+    out = io.check_output_path(args.model, args.output or io.default_output_path(args.model))
+    report = _check_side_paths(args)
+    paths = _RunPaths(model, out, report, _read_paths(args),
+                      {"-o": out, **({"--report": report} if report else {})})
+    io.check_path_conflicts(paths.reads, paths.writes)
+    return paths
+
+
+def _load_and_rewrite(args, paths: _RunPaths, stages):
+    from amp_rewrite.onnx import io
+    from amp_rewrite.onnx.api import rewrite_onnx_model
+
+    stages.step("load")
+    model = io.load_model(paths.model)
+    paths.reads["an external-data file of the input"] = io.external_data_files(model)
+    io.check_path_conflicts(paths.reads, paths.writes)  # still before anything is written
+    stages.step("rewrite")
+    with _input_blamed_if_invalid(paths.model):
+        return rewrite_onnx_model(model, dtype=args.dtype, keep_io_types=args.keep_io_types,
+                                  rules=args.rules, keep_fp32=args.keep_fp32,
+                                  calibration_data=args.calibrate,
+                                  calibration_threshold=args.threshold,
+                                  savings_weight=args.savings_weight, fuse=args.fuse,
+                                  target=args.target)
+
+
+@contextlib.contextmanager
+def _input_blamed_if_invalid(model_path: Path) -> Iterator[None]:
+    try:
+        yield
+    except OutputCheckError:
+        _blame_invalid_input(model_path)
+        raise
+
+
+def _blame_invalid_input(path: Path) -> None:
+    """The output failed the full check: if the input fails it as well, say so (exit 3)
+    instead of reporting an internal error (the plain check at load passes such models)."""
+    import onnx
+
+    try:  # in memory, with its weights: by path, inference cannot read external shapes
+        proto = onnx.load(str(path))
+    except Exception:  # noqa: BLE001 - too large to check in memory: no verdict on the input
+        return
+    try:
+        onnx.checker.check_model(proto, full_check=True)
+    except Exception as e:  # noqa: BLE001 - the checker raises several types
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelError(f"{path}: the model fails ONNX type and shape inference ({first}); "
+                         "fix the model (see onnx.checker.check_model(path, full_check=True))"
+                         ) from None
+
+
+def _validate_stage(args, result, stages) -> tuple:
+    """(errors and tolerance or None, the ValidationError to raise after the report or None)"""
+    if not args.validate:
+        return None, None
+    stages.step("validate")
+    try:
+        validation = _validate(args, result)
+    except ValidationError as e:  # could not run: still report and summarise, then exit 4
+        return None, e
+    errors, tolerance = validation
+    if all(e.ok(tolerance) for e in errors):
+        return validation, None
+    return validation, ValidationError(
+        f"rewritten outputs differ from FP32 beyond tolerance {tolerance:g}; the model was not "
+        "written (try --keep-fp32 or --calibrate)")
+
+
+def _read_paths(args) -> dict[str, list[str]]:
+    """Every file the run reads, by what it is (external data is added once loaded)."""
+    env_rules = [p for p in os.environ.get("AMP_REWRITE_RULES", "").split(os.pathsep) if p]
+    return {"the input model": [args.model],
+            "the --calibrate data": [args.calibrate] if args.calibrate else [],
+            "a --rules file": list(args.rules),
+            "an $AMP_REWRITE_RULES file": env_rules}
+
+
+def _check_side_paths(args) -> Path | None:
+    """Fail before any work, so a bad side argument never costs a rewrite."""
+    from amp_rewrite.onnx import io
+
     if args.threshold is not None and not args.threshold > 0:
         raise UsageError(f"--threshold must be a magnitude > 0, got {args.threshold:g}")
+    if args.tolerance is not None and not args.tolerance >= 0:
+        raise UsageError(f"--tolerance must be >= 0, got {args.tolerance:g}")
+    if args.calibrate and not Path(args.calibrate).is_file():
+        raise UsageError(f"--calibrate {args.calibrate}: no such file")
+    if not args.report:
+        return None
+    io.check_writable_file(args.report, "--report")
+    return Path(args.report)
 
 
 def _validate(args, result):
@@ -143,37 +308,53 @@ def _validate(args, result):
     from amp_rewrite.core import LowDtype
     from amp_rewrite.onnx import validate
 
+    from amp_rewrite.onnx import io
+
     fp32 = onnx.load(args.model)
+    # the IR of a model with external data still refers to the input's data file
+    mixed = io.proto_with_weights(result.model) if result.needs_external_data else result.proto()
     feeds = validate.load_feeds(args.calibrate) if args.calibrate else None
-    return validate.validate(fp32, result.proto(), LowDtype.parse(args.dtype),
-                             feeds, args.tolerance)
+    return validate.validate(fp32, mixed, LowDtype.parse(args.dtype), feeds, args.tolerance)
 
 
-def _finish(args, result, out: Path, validation, seconds: float) -> None:
-    report = dict(result.report, model=str(args.model), output=str(out),
-                  seconds=round(seconds, 3))
+def _finish(args, result, out: Path | None, validation, seconds: float,
+            report_path: Path | None) -> None:
+    report = dict(result.report, model=str(args.model),
+                  output=str(out) if out else None, seconds=round(seconds, 3))
     if validation is not None:
         report["validation"] = [e.__dict__ for e in validation[0]]
-    if args.report:
-        _write_json(Path(args.report), report)
+    if report_path is not None:
+        _write_json(report_path, report)
     for name in args.explain:
-        lines = result.explain(name)
-        print("\n".join(lines) if lines else f"no node named {name!r} with float ports")
+        _explain(result, name)
     if not args.quiet:
-        _print_summary(report)
+        _print_summary(report, args)
         if validation is not None:
             _print_validation(validation)
 
 
+def _explain(result, name: str) -> None:
+    from amp_rewrite.core.rules import close_match
+
+    lines = result.explain(name)
+    if lines:
+        print("\n".join(lines))
+        return
+    names = {g.name for g in result.pass_.view.graph.groups() if g.name}
+    logger.warning("--explain %r: no node of that name with float ports%s", name,
+                   close_match(name, names))
+
+
 def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str))
-    tmp.replace(path)
+    from amp_rewrite.onnx import io
+
+    io.write_bytes_atomically(path, json.dumps(data, indent=1, default=str).encode())
 
 
-def _print_summary(r: dict) -> None:
+def _print_summary(r: dict, args) -> None:
     counts = r["precision_counts"]
-    rows = [("output", r["output"]), ("dtype", r["dtype"]),
+    output = r["output"] or "not written (validation failed)"
+    rows = [("output", output), ("dtype", r["dtype"]),
             ("nodes low / high", f"{counts['low']} / {counts['high']}"),
             ("casts inserted", r["casts_inserted"]),
             ("fused chains", ", ".join(f"{k.split('::')[-1]} {v}" for k, v in
@@ -185,10 +366,28 @@ def _print_summary(r: dict) -> None:
             ("time", f"{r['seconds']:.2f} s")]
     if r["identity_casts_removed"]:
         rows.insert(4, ("identity casts removed", r["identity_casts_removed"]))
+    if args.calibrate:
+        threshold = args.threshold if args.threshold is not None else _default_threshold(args)
+        rows.insert(3, ("pinned by calibration", f"{len(r['pinned_by_calibration'])} values "
+                                                 f"above {threshold:g} (kept fp32)"))
     if not r["modified"]:
-        rows.insert(2, ("note", "nothing to change (no float32 compute, or already converted)"))
+        rows.insert(2, ("note", _nothing_to_change(counts)))
     width = max(len(k) for k, _ in rows)
     print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
+
+
+def _default_threshold(args) -> float:
+    from amp_rewrite.core import LowDtype
+    from amp_rewrite.onnx.api import default_threshold
+
+    return default_threshold(LowDtype.parse(args.dtype))
+
+
+def _nothing_to_change(counts: dict) -> str:
+    if counts.get("high") and not counts.get("low"):
+        return ("nothing to change: the rules, --keep-fp32 patterns or calibration pins keep "
+                "every float node fp32 (see --report or --explain NODE)")
+    return "nothing to change (no float32 compute, or already converted)"
 
 
 def _print_validation(validation) -> None:
@@ -204,13 +403,15 @@ class _Stages:
 
     def __init__(self, args) -> None:
         self.enabled = not args.quiet and sys.stderr.isatty()
+        self.total = 4 if args.validate else 3  # load, rewrite, (validate,) save
         self.bar = None
 
     def __enter__(self):
         if self.enabled:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=3, desc="amp-rewrite", unit="stage", leave=False)
+            self.bar = tqdm(total=self.total, desc="amp-rewrite", unit="stage", leave=False,
+                            file=sys.stderr)
         return self
 
     def step(self, name: str) -> None:
@@ -219,8 +420,13 @@ class _Stages:
             self.bar.update(1)
 
     def __exit__(self, *exc) -> None:
+        """Shown complete, then cleared (``leave=False``): the summary follows on a clean
+        terminal, also when a stage was skipped or failed."""
         if self.bar is not None:
+            self.bar.n = self.total
+            self.bar.refresh()
             self.bar.close()
+            self.bar = None
 
 
 if __name__ == "__main__":

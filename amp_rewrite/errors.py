@@ -24,6 +24,11 @@ class ModelError(AmpRewriteError):
     exit_code = 3
 
 
+class OutputCheckError(ModelError):
+    """The rewritten model fails the full ONNX check (exit 3). The CLI then checks the input
+    the same way: an input failing it is the model's problem, otherwise it is a bug."""
+
+
 class CaptureError(ModelError):
     """A torch module could not be captured as a graph (exit 3)."""
 

@@ -66,7 +66,8 @@ def main() -> int:
     proc.returncode = os.waitstatus_to_exitcode(status)
     proc.stderr = proc.stderr.read()
     peak = usage.ru_maxrss * 1024
-    out_data = dst.with_name(dst.name + ".data")
+    # the data file's name is unique to each write: OUTPUT.<token>.data
+    out_data = next(iter(sorted(dst.parent.glob(dst.name + ".*.data"))), dst.with_name("none"))
     row = {"fp32_weight_gib": weight_bytes / 2**30, "exit_code": proc.returncode,
            "stderr": proc.stderr.strip(), "seconds": round(seconds, 1),
            "peak_rss_gib": round(peak / 2**30, 2),

@@ -6,7 +6,9 @@ Load order, later wins: the packaged ``rules/<domain>.toml``; each ``--rules`` f
 """
 from __future__ import annotations
 
+import difflib
 import importlib.resources
+import logging
 import os
 import tomllib
 from collections.abc import Iterable, Mapping
@@ -16,9 +18,31 @@ from pathlib import Path
 from amp_rewrite.core.precision import OpClass
 from amp_rewrite.errors import RuleFileError
 
+logger = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
 RULE_CLASSES = (OpClass.ALLOW, OpClass.DENY, OpClass.GRAY, OpClass.CLEAR)
 ENV_FILES = "AMP_REWRITE_RULES"
+ENV_PREFIX = "AMP_REWRITE_"
+# Variables of the package that are not rule lists (bench and tools read them).
+OTHER_ENV_VARS = frozenset({"AMP_REWRITE_CACHE", "AMP_REWRITE_MODELOPT_PYTHON"})
+
+
+def env_op_list_names() -> list[str]:
+    """``AMP_REWRITE_<CLASS>_ADD`` and ``_REMOVE`` for every rule class."""
+    return [f"{ENV_PREFIX}{c.value.upper()}_{verb}" for verb in ("ADD", "REMOVE")
+            for c in RULE_CLASSES]
+
+
+def known_env_vars() -> list[str]:
+    return sorted({ENV_FILES, *env_op_list_names(), *OTHER_ENV_VARS})
+
+
+def close_match(word: str, choices: Iterable[str]) -> str:
+    """" (did you mean X?)" for the nearest choice, or "" when none is near."""
+    match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    if not match and word.lower() != word:
+        match = [c for c in choices if c.lower() == word.lower()][:1]
+    return f" (did you mean {match[0]}?)" if match else ""
 
 
 @dataclass(frozen=True)
@@ -139,11 +163,56 @@ def _apply_env(rules: RuleSet, env: Mapping[str, str]) -> RuleSet:
 
 
 def load_rules(domain: str, extra_files: Iterable[str | Path] = (),
-               env: Mapping[str, str] | None = None) -> RuleSet:
-    """The effective rules for ``domain`` ('onnx' or 'torch'), overlays and env applied."""
+               env: Mapping[str, str] | None = None,
+               known_ops: Iterable[str] | None = None) -> RuleSet:
+    """The effective rules for ``domain`` ('onnx' or 'torch'), overlays and env applied.
+
+    ``known_ops``: op keys the adapter knows besides the packaged ones; given, an overlay or
+    variable naming any other op of a known domain gets a warning with the closest name.
+    """
     env = os.environ if env is None else env
-    rules = RuleSet(parse_rule_file(default_rules_path(domain)))
+    packaged = parse_rule_file(default_rules_path(domain))
+    rules = RuleSet(packaged)
     env_files = [p for p in env.get(ENV_FILES, "").split(os.pathsep) if p]
+    overlays = []
     for path in [*extra_files, *env_files]:
-        rules = rules.overlay(parse_rule_file(path))
+        overlays.append(parse_rule_file(path))
+        rules = rules.overlay(overlays[-1])
+    warn_env_names(env)
+    if known_ops is not None:
+        known = {e.op for e in packaged} | set(known_ops)
+        for entry in (e for entries in overlays for e in entries):
+            _warn_unknown_op(entry.op, entry.source, known)
+        for name in env_op_list_names():
+            for op in _env_op_list(env, name):
+                _warn_unknown_op(op, f"${name}", known)
     return _apply_env(rules, env)
+
+
+def _warn_unknown_op(op: str, source: str, known: set[str]) -> None:
+    """Custom domains (``acme::Op``) are the user's own: only ops of a domain some known op
+    has are checked."""
+    if op in known:
+        return
+    domain = op.split("::")[0] if "::" in op else ""
+    if domain and not any(k.startswith(f"{domain}::") for k in known):
+        return
+    logger.warning("%s: unknown op %r%s; the entry has no effect unless a model has this op",
+                   source, op, close_match(op, known))
+
+
+def warn_env_names(env: Mapping[str, str]) -> None:
+    """Misspelt variable names and ops added to two classes at once, each a warning."""
+    known = known_env_vars()
+    for name in sorted(env):
+        if name.startswith(ENV_PREFIX) and name not in known:
+            logger.warning("unknown environment variable $%s ignored%s", name,
+                           close_match(name, known))
+    added: dict[str, str] = {}
+    for c in RULE_CLASSES:
+        name = f"{ENV_PREFIX}{c.value.upper()}_ADD"
+        for op in _env_op_list(env, name):
+            if op in added and added[op] != name:
+                logger.warning("op %r is in both $%s and $%s; the later class (%s) wins",
+                               op, added[op], name, c.value)
+            added[op] = name

@@ -15,7 +15,7 @@ import onnx_ir as ir
 
 from amp_rewrite.core import LowDtype
 from amp_rewrite.core.runtime import gc_paused, listed
-from amp_rewrite.errors import ModelError
+from amp_rewrite.errors import ModelError, OutputCheckError
 from amp_rewrite.onnx import io
 from amp_rewrite.onnx.passes import MixedPrecisionPass, OnnxOptions
 
@@ -52,11 +52,15 @@ class RewriteResult:
         """Whether the output must keep its weights in a side file (input had them, or > 1 GB)."""
         return io.needs_external_data(self.model, self.had_external_data)
 
-    def save(self, output: str | os.PathLike) -> Path:
-        """Write the model atomically; reuses the checked ModelProto when it fits in one file."""
+    def save(self, output: str | os.PathLike, keep: Iterable[str | os.PathLike] = ()) -> Path:
+        """Write the model atomically; reuses the checked ModelProto when it fits in one file.
+        ``keep``: files the run reads, never removed as stale data files of ``output``.
+        Writing over the input model or its weights is a UsageError."""
+        output = io.check_save_target(self.model, output)
+        keep = [*keep, *io.external_data_files(self.model)]
         if self.needs_external_data:
-            return io.save_model(self.model, output)
-        return io.save_proto(self.proto(), output)
+            return io.save_model(self.model, output, keep)
+        return io.save_proto(self.proto(), output, keep)
 
 
 def default_threshold(dtype: LowDtype) -> float:
@@ -64,7 +68,7 @@ def default_threshold(dtype: LowDtype) -> float:
     return 4096.0 if dtype is LowDtype.FLOAT16 else 1e37
 
 
-def rewrite_onnx_model(source: str | os.PathLike | onnx.ModelProto | bytes, *,
+def rewrite_onnx_model(source: str | os.PathLike | onnx.ModelProto | bytes | ir.Model, *,
                        dtype: str | LowDtype = "float16", keep_io_types: bool = True,
                        rules: Iterable[str | os.PathLike] = (), keep_fp32: Iterable[str] = (),
                        calibration_data: Mapping[str, np.ndarray] | str | os.PathLike | None = None,
@@ -110,7 +114,7 @@ def _check_output(result: RewriteResult) -> None:
     try:
         onnx.checker.check_model(result.proto(), full_check=True)
     except Exception as e:
-        raise ModelError(f"internal error: the rewritten model fails the ONNX checker: "
+        raise OutputCheckError(f"internal error: the rewritten model fails the ONNX checker: "
                          f"{str(e).strip().splitlines()[0]}") from e
 
 
@@ -121,7 +125,7 @@ def _calibrate(source, model: ir.Model, low: LowDtype, data, threshold) -> dict[
 
     threshold = default_threshold(low) if threshold is None else threshold
     feeds = validate.load_feeds(data)
-    maxima = validate.value_maxima(ir.to_proto(model), feeds)
+    maxima = validate.value_maxima(io.proto_with_weights(model), feeds)
     pinned = {name: m for name, m in maxima.items() if m > threshold}
     logger.info("calibration: %d of %d values exceed %.4g", len(pinned), len(maxima), threshold)
     return pinned

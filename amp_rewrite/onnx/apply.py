@@ -41,6 +41,8 @@ class ApplyStats:
     constant_copies: int = 0
     values_clamped: int = 0
     clamped_constants: list[str] = field(default_factory=list)
+    # one record per inserted Cast or converted constant copy: value, from, to, consumers
+    inserted_casts: list[dict] = field(default_factory=list)
 
     @property
     def modified(self) -> bool:
@@ -219,12 +221,30 @@ def _insert_cast(view: OnnxView, cast: CastPlan, low_ir, namer: _Namer,
     value = cast.value
     target = _dtype(cast.to, low_ir)
     source = view.sources.get(("source", value))
+    from_dtype = value.dtype
     if source is not None and _stored_array(value, source[2]):
-        new = _constant_copy(source, target, namer, stats)
+        new, kind = _constant_copy(source, target, namer, stats), "constant copy"
     else:
-        new = _cast_node(value, target, namer, cast, source)
+        new, kind = _cast_node(value, target, namer, cast, source), "Cast"
         stats.casts_inserted += 1
     _rewire(view, cast.consumers, value, new, namer)
+    # after rewiring: a cast feeding a graph output takes the output's name
+    stats.inserted_casts.append(_cast_record(view, cast, value, from_dtype, new, kind))
+
+
+def _cast_record(view: OnnxView, cast: CastPlan, value: ir.Value, from_dtype, new: ir.Value,
+                 kind: str) -> dict:
+    """What the report says of one inserted cast; consumers by node (or graph output) name."""
+    consumers = []
+    for key in cast.consumers:
+        if key in view.sinks:
+            g, index = view.sinks[key]
+            consumers.append(f"graph output {g.outputs[index].name}")
+        else:
+            consumers.append(view.groups[key][0].name or view.groups[key][0].op_type)
+    return {"value": value.name, "from": from_dtype.name.lower() if from_dtype else None,
+            "to": new.dtype.name.lower() if new.dtype else None, "kind": kind,
+            "cast_value": new.name, "consumers": consumers}
 
 
 def _constant_copy(source, target: ir.DataType, namer: _Namer, stats) -> ir.Value:

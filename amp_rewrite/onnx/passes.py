@@ -7,16 +7,23 @@ so running the pass on its own output reports ``modified=False``.
 from __future__ import annotations
 
 from collections.abc import Mapping
+import fnmatch
+import functools
+import logging
 from dataclasses import dataclass, field
 
+import onnx
 import onnx_ir as ir
 
 from amp_rewrite.core import LowDtype, PrecisionPlan, RuleSet, load_rules, plan_precision
 from amp_rewrite.core.report import node_records, precision_counts, unlisted_ops
 from amp_rewrite.onnx import io
 from amp_rewrite.onnx.apply import ApplyStats, apply_plan
+from amp_rewrite.core.rules import close_match
 from amp_rewrite.onnx.fusion import FUSED_TAG, FusionPass
 from amp_rewrite.onnx.view import INSERTED_TAG, OnnxView, build_view
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -40,7 +47,8 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
     def __init__(self, options: OnnxOptions, rules: RuleSet | None = None) -> None:
         super().__init__()
         self.options = options
-        self.rules = rules if rules is not None else load_rules("onnx", options.rules)
+        self.rules = rules if rules is not None else load_rules(
+            "onnx", options.rules, known_ops=known_op_keys())
         self.view: OnnxView | None = None
         self.plan: PrecisionPlan | None = None
         self.stats: ApplyStats | None = None
@@ -57,6 +65,7 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
         self.plan = plan_precision(self.view.graph, self.rules,
                                    keep_fp32=self.options.keep_fp32, pins=self._pins(),
                                    savings_weight=self.options.savings_weight)
+        _warn_unmatched_patterns(self.options.keep_fp32, self.view)
         self.stats = apply_plan(model, self.view, self.plan)
         _forget_load_time_types(model)
         return ir.passes.PassResult(model, modified=self.report_modified())
@@ -95,9 +104,10 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
             "clamped_constants": s.clamped_constants,
             "unlisted_ops": unlisted_ops(records),
             "pinned_by_calibration": sorted(self.options.pinned_values),
+            "inserted_casts": s.inserted_casts,
             "fused": dict(self.fusion.fused) if self.fusion else {},
             "fusion_rules": dict(self.fusion.rule_hits) if self.fusion else {},
-            "modified": self.report_modified(),
+            "modified": s.modified,  # precision changes; fusion is reported in "fused"
         }
 
     def explain(self, node_name: str) -> list[str]:
@@ -107,6 +117,27 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
         lines = [line for k in keys for line in explain_chain(self.plan, self.view.graph, k)]
         fused_by = {self.view.groups[k][0].metadata_props.get(FUSED_TAG) for k in keys} - {None}
         return [f"{node_name}: created by fusion rule {r}" for r in sorted(fused_by)] + lines
+
+
+def _warn_unmatched_patterns(patterns: tuple[str, ...], view: OnnxView) -> None:
+    if not patterns:
+        return
+    names = {g.name for g in view.graph.groups() if g.name}
+    for pattern in patterns:
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+            logger.warning("--keep-fp32 %r matches no node%s", pattern,
+                           close_match(pattern, names))
+
+
+@functools.cache
+def known_op_keys() -> frozenset[str]:
+    """Every op ONNX defines, as rule-file keys (``op`` or ``domain::op``): rule overlays
+    naming anything else of these domains get a warning."""
+    keys = set()
+    for schema in onnx.defs.get_all_schemas_with_history():
+        domain = "" if schema.domain in ("", "ai.onnx") else schema.domain
+        keys.add(f"{domain}::{schema.name}" if domain else schema.name)
+    return frozenset(keys)
 
 
 def infer_missing_types(model: ir.Model, graphs: list[ir.Graph]) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -16,11 +17,15 @@ import numpy as np
 import onnx
 
 from amp_rewrite.core import LowDtype
-from amp_rewrite.errors import ModelError, UsageError
+from amp_rewrite.errors import ModelError, UsageError, ValidationError
 
 logger = logging.getLogger(__name__)
 REL_TOLERANCE = {LowDtype.FLOAT16: 1e-2, LowDtype.BFLOAT16: 5e-2}
 SYMBOLIC_DIM = 4
+# Random validation inputs above this many bytes in all are refused, not allocated: a model
+# declaring [100000, 100000, 8] would otherwise ask for 596 GiB.
+MAX_RANDOM_FEED_BYTES = 1 << 30
+CALIBRATE_HINT = "pass real inputs with --calibrate DATA.npz (calibration_data= in Python)"
 
 
 @functools.cache
@@ -45,39 +50,104 @@ def session(model: onnx.ModelProto):
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
-    opts.log_severity_level = 3
+    opts.log_severity_level = 4  # fatal only: its errors reach the user in ours, in one line
     return ort.InferenceSession(model.SerializeToString(), opts, providers=providers())
 
 
 def load_feeds(data: Mapping[str, np.ndarray] | str | os.PathLike) -> dict[str, np.ndarray]:
     if isinstance(data, Mapping):
-        return dict(data)
+        return {k: _as_array(k, v) for k, v in data.items()}
     try:
-        with np.load(data) as npz:
+        with np.load(data, allow_pickle=False) as npz:
             return {k: npz[k] for k in npz.files}
-    except (OSError, ValueError) as e:
-        raise UsageError(f"{data}: cannot read calibration data ({e}); pass an .npz whose "
-                         "keys are the model's input names") from None
+    except Exception as e:  # noqa: BLE001 - OSError, ValueError, BadZipFile, pickled objects
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(f"{data}: cannot read calibration data ({first}); pass an .npz "
+                         "whose keys are the model's input names") from None
+
+
+def _as_array(name: str, value) -> np.ndarray:
+    array = np.asarray(value)
+    if array.dtype == object:
+        raise UsageError(f"input data {name!r}: not a numeric array ({type(value).__name__})")
+    return array
+
+
+def check_feeds(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> None:
+    """Names (``check_feed_names``), then each array's dtype, rank and fixed dims against the
+    input it feeds: a mismatch is a usage error naming the input, not an onnxruntime
+    traceback. Floats must have the declared dtype: float64 data would be compared against a
+    model that never sees it."""
+    check_feed_names(model, feeds)
+    for inp in model.graph.input:
+        if inp.name not in feeds or not inp.type.HasField("tensor_type"):
+            continue
+        _check_feed(inp, np.asarray(feeds[inp.name]))
+
+
+def _check_feed(inp: onnx.ValueInfoProto, array: np.ndarray) -> None:
+    t = inp.type.tensor_type
+    try:
+        want = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.elem_type))
+    except Exception:  # noqa: BLE001 - a type numpy cannot hold: nothing to compare
+        return
+    if array.dtype != want:
+        raise UsageError(f"input data {inp.name!r} is {array.dtype}, the model's input is "
+                         f"{want}; convert it (array.astype(np.{want}))")
+    if not t.HasField("shape"):
+        return
+    dims = [d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim]
+    if array.ndim != len(dims) or any(d is not None and d != n for d, n in zip(dims, array.shape)):
+        shown = ["?" if d is None else d for d in dims]
+        raise UsageError(f"input data {inp.name!r} has shape {list(array.shape)}, the model's "
+                         f"input is {shown} (rank {len(dims)})")
 
 
 def random_feeds(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray]:
-    """Seeded inputs: normal floats, small non-negative ints (valid ids and 0/1 masks)."""
+    """Seeded inputs: normal floats, small non-negative ints (valid ids and 0/1 masks).
+
+    Inputs that cannot be made (not tensors, unknown dtypes, negative or huge dims) raise a
+    ValidationError suggesting real inputs instead; nothing large is allocated first.
+    """
     rng = np.random.default_rng(seed)
     init_names = {t.name for t in model.graph.initializer}
-    feeds = {}
-    for inp in model.graph.input:
-        if inp.name in init_names:
-            continue
-        t = inp.type.tensor_type
-        shape = [d.dim_value if d.HasField("dim_value") else SYMBOLIC_DIM for d in t.shape.dim]
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type)
-        if np.issubdtype(dtype, np.floating):
-            feeds[inp.name] = rng.standard_normal(shape).astype(dtype)
-        elif dtype == np.bool_:
-            feeds[inp.name] = rng.random(shape) < 0.5
-        else:
-            feeds[inp.name] = rng.integers(0, 2, shape).astype(dtype)
-    return feeds
+    specs = [(inp.name, *_random_spec(inp)) for inp in model.graph.input
+             if inp.name not in init_names]
+    total = sum(math.prod(shape) * np.dtype(dtype).itemsize for _, shape, dtype in specs)
+    if total > MAX_RANDOM_FEED_BYTES:
+        raise ValidationError(f"cannot validate on random inputs: the declared input shapes "
+                              f"need {total / 2**30:.3g} GiB ({_shapes(specs)}); {CALIBRATE_HINT}")
+    return {name: _random_array(rng, shape, dtype) for name, shape, dtype in specs}
+
+
+def _random_spec(inp: onnx.ValueInfoProto) -> tuple[list[int], np.dtype]:
+    t = inp.type.tensor_type if inp.type.HasField("tensor_type") else None
+    try:
+        if t is None:
+            raise ValueError("not a tensor")
+        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.elem_type))
+    except Exception as e:  # noqa: BLE001 - sequences, optionals, unknown elem types
+        raise ValidationError(f"cannot make a random value for input {inp.name!r} ({e}); "
+                              f"{CALIBRATE_HINT}") from None
+    shape = [d.dim_value if d.HasField("dim_value") else SYMBOLIC_DIM for d in t.shape.dim]
+    if any(d < 0 for d in shape):
+        raise ValidationError(f"input {inp.name!r} declares a negative dim {shape}; "
+                              f"{CALIBRATE_HINT}")
+    return shape, dtype
+
+
+def _random_array(rng: np.random.Generator, shape: list[int], dtype: np.dtype) -> np.ndarray:
+    if np.issubdtype(dtype, np.floating):
+        return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
+    if dtype == np.bool_:
+        return rng.random(shape, dtype=np.float32) < 0.5
+    if np.issubdtype(dtype, np.integer):
+        return rng.integers(0, 2, shape).astype(dtype)
+    return np.zeros(shape, dtype)  # strings, complex: a defined value of the right type
+
+
+def _shapes(specs) -> str:
+    return ", ".join(f"{name} {shape}" for name, shape, _ in specs[:4])
 
 
 @dataclass(frozen=True)
@@ -139,22 +209,53 @@ def run(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dict[str, np
     """Outputs by name from onnxruntime, or the reference evaluator where ORT has no kernel
     (ORT-CPU implements almost nothing in bfloat16). Feeds follow ``as_declared``."""
     feeds = as_declared(model, feeds)
-    names = [o.name for o in model.graph.output]
+    names = [_text(o.name) for o in model.graph.output]
     try:
         sess = session(model)
     except Exception as e:
         if "NOT_IMPLEMENTED" not in str(e):
-            raise ModelError(f"onnxruntime cannot load the model: {str(e).splitlines()[0]}") from e
+            raise ModelError(f"onnxruntime cannot load the model: {_first_line(e)}") from e
         logger.info("onnxruntime lacks a kernel (%s); using onnx.reference", str(e)[:120])
         return reference_run(model, feeds)
-    return dict(zip(names, sess.run(names, dict(feeds))))
+    return dict(zip(names, sess.run(None, dict(feeds))))
+
+
+def _with_text_io_names(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model with graph input/output names that are not valid UTF-8 escaped, as the
+    rewrite escapes them: onnxruntime's Python binding cannot decode them. Usually the model
+    itself (nothing to fix)."""
+    io_names = [v.name for v in (*model.graph.input, *model.graph.output)]
+    if not any(isinstance(n, bytes) for n in io_names):
+        return model
+    fixed = onnx.ModelProto()
+    fixed.CopyFrom(model)
+    g = fixed.graph
+    for v in (*g.input, *g.output, *g.value_info):
+        v.name = _text(v.name)
+    for t in g.initializer:
+        t.name = _text(t.name)
+    for n in g.node:
+        n.input[:] = [_text(i) for i in n.input]
+        n.output[:] = [_text(o) for o in n.output]
+    return fixed
+
+
+def _text(name: str | bytes) -> str:
+    """A name as text: python-protobuf returns invalid UTF-8 as bytes (io._text does the same
+    escaping when the model is loaded for the rewrite)."""
+    return name.decode("utf-8", errors="backslashreplace") if isinstance(name, bytes) else name
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def reference_run(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """onnx.reference computes every op in its declared dtype: fp16 overflow shows here."""
     from onnx.reference import ReferenceEvaluator
 
-    names = [o.name for o in model.graph.output]
+    names = [_text(o.name) for o in model.graph.output]
     evaluator = ReferenceEvaluator(model, new_ops=_reference_fixes())
     return dict(zip(names, evaluator.run(None, dict(feeds))))
 
@@ -183,9 +284,42 @@ def _reference_fixes() -> list[type]:
 def validate(fp32: onnx.ModelProto, mixed: onnx.ModelProto, dtype: LowDtype,
              feeds: Mapping[str, np.ndarray] | None = None,
              tolerance: float | None = None) -> tuple[list[OutputError], float]:
-    feeds = feeds if feeds is not None else random_feeds(fp32)
+    """Per-output errors of ``mixed`` against ``fp32`` on ``feeds`` (seeded random inputs by
+    default). Validation that cannot run (no outputs, inputs that cannot be made, a runtime
+    failing on them) is a ValidationError saying why, with a fix."""
+    if not fp32.graph.output:
+        raise ValidationError("cannot validate: the model has no graph outputs to compare")
+    fp32 = _with_text_io_names(fp32)
+    if feeds is None:
+        feeds, origin = random_feeds(fp32), "random inputs"
+    else:
+        check_feeds(fp32, feeds)
+        origin = "the given inputs"
     tolerance = REL_TOLERANCE[dtype] if tolerance is None else tolerance
-    return compare(run(fp32, feeds), run(mixed, feeds)), tolerance
+    reference = _run_for_validation(fp32, feeds, "the FP32 model", origin)
+    got = _run_for_validation(mixed, feeds, "the rewritten model", origin)
+    # by position: the rewrite keeps the outputs' order, and their names as far as they are
+    # valid text (invalid UTF-8 is escaped in the output)
+    return compare(reference, dict(zip(reference, got.values()))), tolerance
+
+
+def _run_for_validation(model: onnx.ModelProto, feeds, which: str, origin: str):
+    try:
+        return run(model, feeds)
+    except UsageError:
+        raise
+    except ModelError as e:
+        if which == "the FP32 model":
+            raise ModelError(f"{e}; onnxruntime cannot validate this model: run without "
+                             "--validate") from None
+        raise ValidationError(f"{which} does not load in onnxruntime ({e})") from None
+    except MemoryError:
+        raise ValidationError(f"out of memory running {which} on {origin}; "
+                              f"{CALIBRATE_HINT} with smaller shapes") from None
+    except Exception as e:  # noqa: BLE001 - onnxruntime's errors have no common base
+        hint = f"; {CALIBRATE_HINT}" if origin == "random inputs" else ""
+        raise ValidationError(f"onnxruntime failed running {which} on {origin} "
+                              f"({_first_line(e)[:300]}){hint}") from None
 
 
 def value_maxima(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dict[str, float]:
@@ -198,7 +332,11 @@ def value_maxima(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dic
              if v.dtype == ir.DataType.FLOAT and v.name and v.name not in existing]
     m.graph.outputs.extend(extra)
     proto = ir.to_proto(m)
-    check_feed_names(proto, feeds)
-    outputs = session(proto).run([v.name for v in extra], dict(feeds))
+    check_feeds(proto, feeds)
+    try:
+        outputs = session(proto).run([v.name for v in extra], dict(feeds))
+    except Exception as e:  # noqa: BLE001 - onnxruntime's errors have no common base
+        raise ModelError(f"calibration: onnxruntime failed running the FP32 model on the "
+                         f"calibration data ({_first_line(e)[:300]})") from None
     return {v.name: float(np.nanmax(np.abs(o))) if o.size else 0.0
             for v, o in zip(extra, outputs)}

@@ -195,6 +195,159 @@ def test_validation_failure_writes_nothing(model_path, tmp_path, capsys):
     assert "FAIL" in out
 
 
+def test_validation_failure_still_writes_the_report_and_prints_the_summary(model_path, tmp_path,
+                                                                           capsys):
+    report = tmp_path / "r.json"
+    code, out, err = run_cli([model_path, "--validate", "--tolerance", "1e-9", "--report",
+                              report], capsys)
+    assert code == 4, err
+    data = json.loads(report.read_text())
+    assert data["output"] is None and any(not e["max_rel"] <= 1e-9 for e in data["validation"])
+    assert "not written (validation failed)" in out and "casts inserted" in out
+    assert not (tmp_path / "block.amp.onnx").exists()
+
+
+def test_version(capsys):
+    from amp_rewrite import __version__
+
+    code, out, _ = run_cli(["--version"], capsys)
+    assert code == 0 and out.strip() == f"amp-rewrite {__version__}"
+
+
+def test_help_shows_defaults_exit_codes_and_environment(capsys):
+    from amp_rewrite.core import LowDtype
+    from amp_rewrite.onnx.api import default_threshold
+    from amp_rewrite.onnx.validate import REL_TOLERANCE
+
+    code, out, _ = run_cli(["--help"], capsys)
+    assert code == 0
+    for dtype in LowDtype:
+        line = next(l for l in out.splitlines() if l.strip().startswith(dtype.value))
+        assert f"--tolerance {REL_TOLERANCE[dtype]:g}" in line
+        assert f"--threshold {default_threshold(dtype):g}" in line
+    for needle in ("exit codes:", "  4  validation failed", "AMP_REWRITE_RULES",
+                   "AMP_REWRITE_<CLASS>_ADD", "ALLOW, DENY, GRAY, CLEAR"):
+        assert needle in out
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".pth"])
+def test_torch_checkpoint_says_to_use_the_python_api(tmp_path, capsys, suffix):
+    ckpt = tmp_path / f"model{suffix}"
+    ckpt.write_bytes(b"PK\x03\x04 torch zip")
+    code, _, err = run_cli([ckpt], capsys)
+    assert_clean_failure(tmp_path, code, err, 2, "amp_rewrite.rewrite(", {ckpt: digest(ckpt)})
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+
+
+@pytest.mark.parametrize("setup, needle", [
+    ("rule_file", "unknown op 'Softmx' (did you mean Softmax?)"),
+    ("env_value", "$AMP_REWRITE_DENY_ADD: unknown op 'MatMull' (did you mean MatMul?)"),
+    ("env_name", "unknown environment variable $AMP_REWRITE_ALLOW_AD ignored (did you mean "
+                 "AMP_REWRITE_ALLOW_ADD?)"),
+    ("two_adds", "op 'Relu' is in both $AMP_REWRITE_ALLOW_ADD and $AMP_REWRITE_DENY_ADD"),
+    ("keep_fp32", "--keep-fp32 'node_layer_nrm' matches no node (did you mean node_layer_norm?)"),
+    ("explain", "--explain 'node_layer_nrm': no node of that name with float ports (did you "
+                "mean node_layer_norm?)"),
+])
+def test_unknown_names_are_warned_with_a_close_match(model_path, tmp_path, capsys, caplog,
+                                                     monkeypatch, setup, needle):
+    flags = []
+    if setup == "rule_file":
+        rules = tmp_path / "r.toml"
+        rules.write_text('schema = 1\n[deny]\nSoftmx = "typo"\n"acme::Mine" = "custom op"\n')
+        flags = ["--rules", rules]
+    elif setup == "env_value":
+        monkeypatch.setenv("AMP_REWRITE_DENY_ADD", "MatMull")
+    elif setup == "env_name":
+        monkeypatch.setenv("AMP_REWRITE_ALLOW_AD", "MatMul")
+    elif setup == "two_adds":
+        monkeypatch.setenv("AMP_REWRITE_ALLOW_ADD", "Relu")
+        monkeypatch.setenv("AMP_REWRITE_DENY_ADD", "Relu")
+    elif setup == "keep_fp32":
+        flags = ["--keep-fp32", "node_layer_nrm"]
+    else:
+        flags = ["--explain", "node_layer_nrm"]
+    code, _, err = run_cli([model_path, "-q", *flags], capsys)
+    assert code == 0, err
+    warnings = _warnings(caplog)
+    assert needle in " | ".join(warnings), warnings
+    assert not any("acme::Mine" in w for w in warnings)  # custom domains are the user's
+
+
+def test_known_names_give_no_warning(model_path, capsys, caplog, monkeypatch):
+    monkeypatch.setenv("AMP_REWRITE_DENY_ADD", "Softmax")
+    code, _, _ = run_cli([model_path, "-q", "--keep-fp32", "node_layer_*",
+                          "--explain", "node_layer_norm"], capsys)
+    assert code == 0 and not _warnings(caplog)
+
+
+def test_nothing_to_change_note_when_the_rules_pin_everything(model_path, tmp_path, capsys):
+    code, out, err = run_cli([model_path, "--keep-fp32", "*"], capsys)
+    assert code == 0, err
+    assert "nothing to change: the rules, --keep-fp32 patterns or calibration pins" in out
+
+
+def test_summary_row_for_calibration_pins(model_path, tmp_path, capsys):
+    report = tmp_path / "r.json"
+    code, out, err = run_cli([model_path, "--calibrate", EXAMPLE_INPUTS, "--threshold", "0.5",
+                              "--report", report], capsys)
+    assert code == 0, err
+    pinned = json.loads(report.read_text())["pinned_by_calibration"]
+    assert pinned  # values of |x| > 0.5 exist in any normalised block
+    row = next(l for l in out.splitlines() if l.startswith("pinned by calibration"))
+    assert f"{len(pinned)} values above 0.5" in row
+
+
+def test_report_lists_every_inserted_cast(model_path, tmp_path, capsys):
+    report = tmp_path / "r.json"
+    code, _, err = run_cli([model_path, "--report", report, "-o", tmp_path / "o.onnx"], capsys)
+    assert code == 0, err
+    data = json.loads(report.read_text())
+    mixed = onnx.load(tmp_path / "o.onnx")
+    casts = {n.output[0]: n for n in mixed.graph.node if n.op_type == "Cast"}
+    listed = [c for c in data["inserted_casts"] if c["kind"] == "Cast"]
+    assert len(listed) == data["casts_inserted"] == len(casts) > 0
+    readers = {}
+    for n in mixed.graph.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n.name)
+    outputs = {o.name for o in mixed.graph.output}
+    names = {"float16": onnx.TensorProto.FLOAT16, "float": onnx.TensorProto.FLOAT}
+    for c in listed:
+        node = casts[c["cast_value"]]  # the cast's output as written
+        assert node.input[0] == c["value"] and node.attribute[0].i == names[c["to"]]
+        assert c["from"] in names and c["from"] != c["to"]
+        expected = readers.get(c["cast_value"], []) + [
+            f"graph output {c['cast_value']}"] * (c["cast_value"] in outputs)
+        assert sorted(c["consumers"]) == sorted(expected)
+
+
+def test_progress_bar_finishes_and_clears_before_the_summary(model_path, capsys, monkeypatch):
+    import amp_rewrite.cli as cli
+
+    events = []
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    real_exit, real_summary = cli._Stages.__exit__, cli._print_summary
+
+    def exit_and_record(self, *exc):
+        events.append(("bar", self.bar.n, self.total))
+        real_exit(self, *exc)
+        events.append(("closed", self.bar))
+
+    monkeypatch.setattr(cli._Stages, "__exit__", exit_and_record)
+    monkeypatch.setattr(cli, "_print_summary", lambda *a: (events.append(("summary",)),
+                                                          real_summary(*a)))
+    code, out, err = run_cli([model_path], capsys)
+    assert code == 0
+    assert [e[0] for e in events] == ["bar", "closed", "summary"]
+    assert events[0][1] == events[0][2]  # every stage ran: load, rewrite, save
+    assert events[1][1] is None
+    assert "amp-rewrite" in err and err.endswith("\r")  # drawn, then cleared (leave=False)
+
+
 def test_list_rules_shows_sources(monkeypatch, capsys):
     monkeypatch.setenv("AMP_REWRITE_ALLOW_ADD", "MyOp")
     code, out, _ = run_cli(["--list-rules"], capsys)
@@ -219,7 +372,8 @@ def test_external_data_round_trip(tmp_path, capsys, rng):
               size_threshold=0)
     code, _, err = run_cli([src, "-o", tmp_path / "out.onnx"], capsys)
     assert code == 0, err
-    assert (tmp_path / "out.onnx.data").exists()
+    data_files = list(tmp_path.glob("out.onnx.*.data"))  # a name unique to this write
+    assert len(data_files) == 1
     out = onnx.load(tmp_path / "out.onnx", load_external_data=False)
     assert any(t.data_location == onnx.TensorProto.EXTERNAL for t in out.graph.initializer)
     onnx.checker.check_model(str(tmp_path / "out.onnx"), full_check=True)

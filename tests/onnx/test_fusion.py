@@ -360,7 +360,7 @@ def test_rewriting_a_fused_output_again_changes_nothing(zoo_case):
     path, _ = zoo_case("bert")
     once = rewrite_onnx(path)
     again = rewrite_onnx_model(once)
-    assert not again.report["modified"] and again.report["fused"] == {}
+    assert not again.report["modified"] and not again.report["fusion_rules"]
     assert again.proto() == once or rewrite_onnx(once) == once
 
 
