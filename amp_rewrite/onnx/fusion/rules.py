@@ -7,6 +7,8 @@
 * QuickGELU / SiLU: ``x · sigmoid(α·x)`` (CLIP's quick_gelu, α = 1.702; SiLU, α = 1).
 * FastGelu with its bias input: ``FastGelu(x + b)`` → ``FastGelu(x, b)``, as ORT's
   transformers optimizer emits it.
+* onnxscript's intermediate SDPA call → the standard ``Attention`` (opset 23) for
+  ``target="onnx"`` (onnxscript only lowers SDPA to ORT's MultiHeadAttention).
 
 Constants are pattern variables checked in ``check`` with a relative tolerance, because
 exporters write them rounded to fp32 (0.044715 arrives as 0.044714998...).
@@ -19,6 +21,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import _ir_utils, pattern
 
 MS_DOMAIN = "com.microsoft"
+SDPA_DOMAIN = "ai.onnxruntime._fusion"  # where onnxscript's SDPA rule puts its function call
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _TOLERANCE = 1e-4
 
@@ -232,8 +235,6 @@ class SdpaToAttention(pattern.RewriteRuleClassBase):
         inputs = [query, key, value] + ([mask] if self._masked else [])
         return op.Attention(*inputs, **attrs)
 
-
-SDPA_DOMAIN = "ai.onnxruntime._fusion"
 
 
 def sdpa_to_attention_rules() -> pattern.RewriteRuleSet:
