@@ -216,8 +216,7 @@ def test_every_fused_op_is_classified_with_a_reason_and_has_a_reference_kernel()
         assert entry is not None and entry.reason, key
         assert rules.class_of(key) in (OpClass.ALLOW, OpClass.GRAY), key
     kernels = {(k.op_domain, k.__name__) for k in reference_ops.CONTRIB_OPS}
-    contrib = {tuple(k.split("::")) for k in FUSED_OPS if "::" in k} - {
-        ("com.microsoft", "Attention")}  # ORT's packed-QKV Attention: the step never emits it
+    contrib = {tuple(k.split("::")) for k in FUSED_OPS if "::" in k}
     assert contrib <= kernels
     assert ("", "SimplifiedLayerNormalization") in kernels
 

@@ -40,7 +40,7 @@ FUSED_OPS = frozenset({
     "SimplifiedLayerNormalization",
     *(f"{MS_DOMAIN}::{op}" for op in (
         "Gelu", "FastGelu", "BiasGelu", "QuickGelu", "SkipLayerNormalization",
-        "SkipSimplifiedLayerNormalization", "MultiHeadAttention", "Attention")),
+        "SkipSimplifiedLayerNormalization", "MultiHeadAttention")),
 })
 # Fused ops whose first output has the shape of the first input.
 _SHAPE_OF_INPUT0 = {"LayerNormalization", "RMSNormalization", "Gelu", "FastGelu", "BiasGelu",
