@@ -159,6 +159,13 @@ def test_onnx_target_emits_standard_ops_only_as_the_opset_allows(feeds, weights)
     at20, step20 = fused(model_of(ERF_GELU, opset=20), target="onnx")
     assert step20.fused == {"Gelu": 1}
     assert all(n.domain in ("", "ai.onnx") for n in at20.graph.node)
+    tanh20, step_t = fused(model_of(TANH_GELU, opset=20), target="onnx")
+    assert step_t.fused == {"Gelu": 1}
+    (gelu,) = tanh20.graph.node
+    assert onnx.helper.get_attribute_value(gelu.attribute[0]) == b"tanh"
+    np.testing.assert_allclose(ort_outputs(tanh20, feeds)[0],
+                               ort_outputs(model_of(TANH_GELU, opset=20), feeds)[0],
+                               rtol=1e-5, atol=1e-5)
     ln, step_ln = fused(model_of(layer_norm_body(), weights=weights), target="onnx")
     assert step_ln.fused == {"LayerNormalization": 1}
     assert all(n.domain in ("", "ai.onnx") for n in ln.graph.node)
