@@ -92,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-pad", dest="pad", action="store_false",
                    help="keep GEMM/conv dims as they are (default: pad low GEMM K/N and conv "
                    "channels to multiples of 8)")
+    p.add_argument("--target", choices=["ort", "onnx"], default="ort",
+                   help="fused ops may be onnxruntime contrib ops (ort, default) or standard "
+                   "ONNX ops of the model's opset only (onnx: TensorRT and other runtimes)")
+    p.add_argument("--no-fuse", dest="fuse", action="store_false",
+                   help="no pattern fusion before the plan (LayerNorm, RMSNorm, GELU, "
+                   "attention chains stay spelled out)")
     p.add_argument("--validate", action="store_true",
                    help="compare FP32 and rewritten outputs in onnxruntime on the --calibrate "
                    "data or seeded random inputs (exit 4 on failure)")
@@ -245,7 +251,8 @@ def _load_and_rewrite(args, paths: _RunPaths, stages):
                                   calibration_data=args.calibrate,
                                   calibration_threshold=args.threshold,
                                   savings_weight=args.savings_weight,
-                                  clamp_constants=args.clamp_constants, opset=args.opset)
+                                  clamp_constants=args.clamp_constants, opset=args.opset,
+                                  pad=args.pad, fuse=args.fuse, target=args.target)
 
 
 @contextlib.contextmanager
@@ -372,6 +379,8 @@ def _print_summary(r: dict, args) -> None:
     rows = [("output", output), ("dtype", r["dtype"]),
             ("nodes low / high", f"{counts['low']} / {counts['high']}"),
             ("casts inserted", r["casts_inserted"]),
+            ("fused chains", ", ".join(f"{k.split('::')[-1]} {v}" for k, v in
+                                       r.get("fused", {}).items()) or "none"),
             ("constants converted", f"{r['constants_converted']} "
                                     f"({r['constant_bytes_converted'] / 2**20:.2f} MiB fp32)"),
             ("values clamped", r["values_clamped"]),

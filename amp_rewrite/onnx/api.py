@@ -75,7 +75,8 @@ def rewrite_onnx_model(source: str | os.PathLike | onnx.ModelProto | bytes | ir.
                        calibration_threshold: float | None = None,
                        savings_weight: float = 0.0, check: bool = True,
                        clamp_constants: bool = False, opset: int | None = None,
-                       pad: bool | PadPolicy = True) -> RewriteResult:
+                       pad: bool | PadPolicy = True, fuse: bool = True,
+                       target: str = "ort") -> RewriteResult:
     """Load, rewrite and check a model; returns the onnx_ir model and the report.
 
     Constants the low dtype cannot hold keep their readers fp32 (the report lists them
@@ -84,6 +85,8 @@ def rewrite_onnx_model(source: str | os.PathLike | onnx.ModelProto | bytes | ir.
     bf16 needs 22 for Conv, BatchNormalization, LSTM, ... (the report's ``opset_advice``).
     ``pad``: pad low GEMM/conv dims to multiples of 8 (``amp_rewrite.onnx.pad``); a
     ``PadPolicy`` pads with that policy instead of the default one.
+    ``fuse``/``target``: pattern fusion before the plan (``amp_rewrite.onnx.fusion``), into
+    onnxruntime contrib ops (``"ort"``) or standard ONNX ops only (``"onnx"``).
     """
     start = time.perf_counter()
     low = LowDtype.parse(dtype)
@@ -96,7 +99,8 @@ def rewrite_onnx_model(source: str | os.PathLike | onnx.ModelProto | bytes | ir.
         options = OnnxOptions(low, keep_io_types, tuple(map(str, listed(rules))),
                               tuple(listed(keep_fp32)), pinned, savings_weight,
                               clamp_constants=clamp_constants, pad=bool(pad),
-                              pad_policy=pad if isinstance(pad, PadPolicy) else None)
+                              pad_policy=pad if isinstance(pad, PadPolicy) else None,
+                              fuse=fuse, target=target)
         pass_ = MixedPrecisionPass(options)
         pass_(model)
         versions.set_lowest_ir_version(model)

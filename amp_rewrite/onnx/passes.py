@@ -22,6 +22,7 @@ from amp_rewrite.onnx import io
 from amp_rewrite.onnx.apply import ApplyStats, apply_plan
 from amp_rewrite.core.rules import close_match
 from amp_rewrite.onnx.pad import PadStats, pad_model, pad_report
+from amp_rewrite.onnx.fusion import FUSED_TAG, FusionPass
 from amp_rewrite.onnx.view import INSERTED_TAG, OnnxView, build_view
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,8 @@ class OnnxOptions:
     clamp_constants: bool = False
     pad: bool = True  # pad low GEMM/conv dims to multiples of 8 (onnx/pad.py)
     pad_policy: PadPolicy | None = None  # None: core.padding.PadPolicy()
+    fuse: bool = True  # pattern fusion before the plan (amp_rewrite.onnx.fusion)
+    target: str = "ort"  # "ort": contrib ops allowed; "onnx": standard ops only
 
 
 class MixedPrecisionPass(ir.passes.InPlacePass):
@@ -57,8 +60,12 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
         self.plan: PrecisionPlan | None = None
         self.stats: ApplyStats | None = None
         self.pad_stats: PadStats | None = None
+        self.fusion: FusionPass | None = None
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        if self.options.fuse:  # DESIGN §4: fuse first, then plan
+            self.fusion = FusionPass(self.options.target)
+            self.fusion(model)
         graphs = list(io.walk_graphs(model.graph))  # one walk for both steps
         infer_missing_types(model, graphs)
         self.view = build_view(model, self.options.dtype,
@@ -73,10 +80,12 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
         self.pad_stats = (pad_model(model, self.options.pad_policy) if self.options.pad
                           else PadStats())
         _forget_load_time_types(model)
-        return ir.passes.PassResult(model, modified=self.modified)
+        return ir.passes.PassResult(model, modified=self.modified
+                                    or bool(self.fusion and self.fusion.rule_hits))
 
     @property
     def modified(self) -> bool:
+        """Whether precision or padding changed (fusion is reported apart, in ``fused``)."""
         return self.stats.modified or self.pad_stats.modified
 
     def _pins(self) -> dict:
@@ -126,7 +135,9 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
             "inserted_casts": s.inserted_casts,
             "opset_advice": self.opset_advice(),
             "padding": pad_report(self.pad_stats) if self.options.pad else {"enabled": False},
-            "modified": self.modified,
+            "fused": dict(self.fusion.fused) if self.fusion else {},
+            "fusion_rules": dict(self.fusion.rule_hits) if self.fusion else {},
+            "modified": self.modified,  # precision/padding; fusion is reported in "fused"
         }
 
     def opset_advice(self) -> str | None:
@@ -167,7 +178,9 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
         from amp_rewrite.core import explain_chain
 
         keys = [g.key for g in self.view.graph.groups() if g.name == node_name]
-        return [line for k in keys for line in explain_chain(self.plan, self.view.graph, k)]
+        lines = [line for k in keys for line in explain_chain(self.plan, self.view.graph, k)]
+        fused_by = {self.view.groups[k][0].metadata_props.get(FUSED_TAG) for k in keys} - {None}
+        return [f"{node_name}: created by fusion rule {r}" for r in sorted(fused_by)] + lines
 
 
 def _warn_unmatched_patterns(patterns: tuple[str, ...], view: OnnxView) -> None:

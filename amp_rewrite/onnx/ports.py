@@ -68,7 +68,11 @@ def _schema(domain: str, op_type: str, opset: int) -> onnx.defs.OpSchema | None:
     try:
         return onnx.defs.get_schema(op_type, opset, domain)
     except onnx.defs.SchemaError:
-        return None
+        # onnxruntime's contrib ops (fused norms, GELUs, attention) have their schemas in
+        # onnxruntime's registry: their type variables are bound like a standard op's.
+        from amp_rewrite.onnx.fusion.schemas import runtime_schema
+
+        return runtime_schema(domain, op_type, opset)
 
 
 def node_opset(node: ir.Node, opsets: dict[str, int]) -> int:
@@ -203,7 +207,8 @@ def infer_output_dtypes(node: ir.Node, opset: int) -> bool:
         if any(not t.startswith("tensor(") for t in allowed.get(param.type_str, ())):
             done = False  # may be a sequence or optional: leave it to shape inference
             continue
-        dtype = bound.get(param.type_str) or _concrete(param.type_str) or _from_attribute(node)
+        dtype = (bound.get(param.type_str) or _concrete(param.type_str)
+                 or _from_attribute(node) or _statistics_dtype(allowed.get(param.type_str)))
         if dtype is None:
             done = False
         else:
@@ -217,6 +222,18 @@ def _bound_input_dtypes(node: ir.Node, schema) -> dict[str, ir.DataType]:
         if value is not None and isinstance(value.type, ir.TensorType) and schema.inputs:
             bound.setdefault(schema.inputs[min(i, len(schema.inputs) - 1)].type_str, value.dtype)
     return bound
+
+
+def _statistics_dtype(allowed) -> ir.DataType | None:
+    """An output-only type variable that admits one type has that type (Shape's ``T1``); one
+    limited to float/double (LayerNormalization's and the contrib norms' mean and
+    inv_std_var ``U``) is float32, the default stash_type."""
+    if allowed and len(allowed) == 1:
+        return _concrete(allowed[0])
+    if allowed and "tensor(float)" in allowed and set(allowed) <= {"tensor(float)",
+                                                                 "tensor(double)"}:
+        return ir.DataType.FLOAT
+    return None
 
 
 def _concrete(type_str: str) -> ir.DataType | None:

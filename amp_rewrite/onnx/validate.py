@@ -280,7 +280,9 @@ def _reference_fixes() -> list[type]:
                            for d, n in enumerate(indices.shape))
             return (np.take_along_axis(data[window], indices, axis=axis),)
 
-    return [GatherElements]
+    from amp_rewrite.onnx.reference_ops import CONTRIB_OPS
+
+    return [GatherElements, *CONTRIB_OPS]  # contrib ops: the fused ops of amp_rewrite.onnx.fusion
 
 
 def validate(fp32: onnx.ModelProto, mixed: onnx.ModelProto, dtype: LowDtype,

@@ -1,0 +1,329 @@
+"""Pattern fusion before the precision plan (DESIGN §4): spelled-out chains → fused ops.
+
+A LayerNorm, an RMSNorm or a GELU written as primitive ops contains deny ops (Pow,
+Reciprocal, ...) and so becomes an fp32 island with a cast on each side. Their fused kernels
+compute the statistics in fp32 registers and can run with low-precision I/O, so the step
+replaces the chains first and the plan then sees one fused op per chain.
+
+One generic pipeline, no model type: onnxscript's rewrite rules (``ort_fusions`` and the
+standard-domain ``rules.fusion``) plus the few rules onnxscript lacks (``fusion.rules``), in
+an order where each step can build on the previous one (GELU before BiasGelu, norms before
+skip+norm, SDPA before MultiHeadAttention). ``target="ort"`` may emit onnxruntime contrib
+ops; ``target="onnx"`` emits standard ops only, those the model's opset has.
+
+Every node a step creates carries ``metadata_props[FUSED_TAG] = <step name>`` so ``--explain``
+and the report can say which rule fused it.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import onnx_ir as ir
+import onnx_ir.passes.common as common_passes
+
+from amp_rewrite.errors import UsageError
+from amp_rewrite.onnx import io
+from amp_rewrite.onnx.fusion.schemas import register_default_domain_contrib_ops, runtime_schema
+
+logger = logging.getLogger(__name__)
+
+TARGETS = ("ort", "onnx")
+FUSED_TAG = "amp_rewrite.fused"
+MS_DOMAIN = "com.microsoft"
+_SDPA_DOMAIN = "ai.onnxruntime._fusion"
+# Op keys (as in the rule files) that count as fused chains in the report.
+FUSED_OPS = frozenset({
+    "LayerNormalization", "RMSNormalization", "Gelu", "Attention",
+    "SimplifiedLayerNormalization",
+    *(f"{MS_DOMAIN}::{op}" for op in (
+        "Gelu", "FastGelu", "BiasGelu", "QuickGelu", "SkipLayerNormalization",
+        "SkipSimplifiedLayerNormalization", "MultiHeadAttention")),
+})
+# Fused ops whose first output has the shape of the first input.
+_SHAPE_OF_INPUT0 = {"LayerNormalization", "RMSNormalization", "Gelu", "FastGelu", "BiasGelu",
+                    "QuickGelu", "SimplifiedLayerNormalization", "SkipLayerNormalization",
+                    "SkipSimplifiedLayerNormalization"}
+
+register_default_domain_contrib_ops()
+
+
+@dataclass(frozen=True)
+class FusionStep:
+    """One named group of rewrite rules, applied to a fixed point."""
+
+    name: str
+    anchors: frozenset[str]  # op types one of which every match contains (a cheap pre-check)
+    make_rules: Callable[[], object]  # -> onnxscript RewriteRuleSet
+    min_opset: int = 1
+    # Passes over the model: a rewrite can expose another match of the same step. One for
+    # steps that create functions (a second pass would rewrite inside their bodies).
+    rounds: int = 3
+
+
+def _ops(*names: str) -> frozenset[str]:
+    return frozenset(names)
+
+
+def op_key(node: ir.Node) -> str:
+    return node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}::{node.op_type}"
+
+
+def _ort_steps() -> list[FusionStep]:
+    from onnxscript.rewriter import pattern
+    from onnxscript.rewriter.ort_fusions import (
+        bias_gelu, erfgelu, rms_normalization, sdpa, sdpa_via_mha, skip_normalization,
+    )
+    from onnxscript.rewriter.rules.fusion import _layer_norm
+
+    from amp_rewrite.onnx.fusion import rules as own
+
+    return [
+        FusionStep("ort_fusions.erfgelu", _ops("Erf"), lambda: erfgelu.rules),
+        FusionStep("amp_rewrite.gelu", _ops("Erf", "Tanh"),
+                   lambda: own.gelu_rules(standard=False)),
+        FusionStep("amp_rewrite.quick_gelu", _ops("Sigmoid"), own.quick_gelu_rules),
+        FusionStep("rules.fusion.layer_norm", _ops("ReduceMean", "LayerNormalization"),
+                   lambda: _layer_norm.layer_normalization_ruleset, min_opset=17),
+        FusionStep("ort_fusions.rms_normalization", _ops("ReduceMean"),
+                   lambda: rms_normalization.rms_normalization_ruleset),
+        FusionStep("ort_fusions.skip_layer_normalization", _ops("LayerNormalization"),
+                   lambda: skip_normalization.skip_layer_normalization_ruleset),
+        FusionStep("ort_fusions.skip_rms_normalization", _ops("SimplifiedLayerNormalization"),
+                   lambda: skip_normalization.skip_rms_normalization_ruleset),
+        FusionStep("ort_fusions.bias_gelu", _ops("Gelu"), lambda: bias_gelu.bias_gelu_rules),
+        FusionStep("amp_rewrite.fast_gelu_bias", _ops("FastGelu"), own.fast_gelu_bias_rules),
+        # SDPA is an intermediate function call; the next step turns it into
+        # MultiHeadAttention and _finish inlines any call it could not convert.
+        FusionStep("ort_fusions.sdpa", _ops("Softmax"),
+                   lambda: pattern.RewriteRuleSet([sdpa.SDPA.rule(as_function=True)]),
+                   rounds=1),
+        FusionStep("ort_fusions.sdpa_via_mha", _ops("SDPA"), lambda: sdpa_via_mha._rules,
+                   rounds=1),
+    ]
+
+
+def _onnx_steps() -> list[FusionStep]:
+    from onnxscript.rewriter import pattern
+    from onnxscript.rewriter.ort_fusions import sdpa
+    from onnxscript.rewriter.rules.fusion import _layer_norm, _rms_normalization
+
+    from amp_rewrite.onnx.fusion import rules as own
+
+    return [
+        FusionStep("amp_rewrite.gelu", _ops("Erf", "Tanh"),
+                   lambda: own.gelu_rules(standard=True), min_opset=20),
+        FusionStep("rules.fusion.layer_norm", _ops("ReduceMean", "LayerNormalization"),
+                   lambda: _layer_norm.layer_normalization_ruleset, min_opset=17),
+        FusionStep("rules.fusion.rms_normalization", _ops("ReduceMean"),
+                   lambda: _rms_normalization.rms_normalization_ruleset, min_opset=23),
+        FusionStep("ort_fusions.sdpa", _ops("Softmax"),
+                   lambda: pattern.RewriteRuleSet([sdpa.SDPA.rule(as_function=True)]),
+                   min_opset=23, rounds=1),
+        FusionStep("amp_rewrite.sdpa_to_attention", _ops("SDPA"),
+                   own.sdpa_to_attention_rules, min_opset=23, rounds=1),
+    ]
+
+
+def fusion_steps(target: str, opset: int) -> list[FusionStep]:
+    """The steps for a target, those the model's default-domain opset admits."""
+    if target not in TARGETS:
+        raise UsageError(f"unknown fusion target {target!r}; use one of {', '.join(TARGETS)}")
+    steps = _ort_steps() if target == "ort" else _onnx_steps()
+    return [s for s in steps if opset >= s.min_opset]
+
+
+def _all_nodes(model: ir.Model) -> list[ir.Node]:
+    return [n for n in ir.traversal.RecursiveGraphIterator(model.graph)]
+
+
+class FusionPass(ir.passes.InPlacePass):
+    """Replace recognised chains by fused ops; ``self.fused`` counts fused ops by op key."""
+
+    def __init__(self, target: str = "ort") -> None:
+        super().__init__()
+        if target not in TARGETS:
+            raise UsageError(f"unknown fusion target {target!r}; use one of {', '.join(TARGETS)}")
+        self.target = target
+        self.fused: dict[str, int] = {}
+        self.rule_hits: dict[str, int] = {}
+        self._created: set[int] = set()  # ids of the nodes this run created
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1))
+        hits: dict[str, int] = {}
+        self._created = set()
+        present = {n.op_type for n in _all_nodes(model)}
+        for step in fusion_steps(self.target, opset):
+            if not step.anchors & present:
+                continue  # no node the step's patterns need: skip matching every node
+            if step.name.startswith("ort_fusions.sdpa") and _has_own_functions(model):
+                # The SDPA step creates model-local functions and inlines the calls it could
+                # not convert; a model with functions of its own keeps them as they are.
+                logger.info("model has local functions: attention fusion skipped")
+                continue
+            count = self._apply(model, step)
+            if count:
+                hits[step.name] = count
+                present = {n.op_type for n in _all_nodes(model)}
+        modified = bool(hits)
+        if modified:
+            _finish(model)
+        self.rule_hits = hits
+        self.fused = fused_counts(model, self._created)
+        return ir.passes.PassResult(model, modified=modified)
+
+    def _apply(self, model: ir.Model, step: FusionStep) -> int:
+        before_nodes = _all_nodes(model)
+        before = set(map(id, before_nodes))
+        rules = _root_filtered(step.make_rules())
+        total = 0
+        for _ in range(step.rounds):
+            count = rules.apply_to_model(model)
+            total += count
+            if not count:
+                break
+        _forget_matches(rules)
+        if not total:
+            return 0
+        for node in _all_nodes(model):
+            if id(node) not in before:
+                self._created.add(id(node))
+                node.metadata_props[FUSED_TAG] = step.name
+                _type_outputs(node, model)
+        removed = [n for n in before_nodes if n.graph is None]
+        _unlink(removed)
+        logger.info("fusion %s: %d", step.name, total)
+        return total
+
+
+def _has_own_functions(model: ir.Model) -> bool:
+    return any(f.domain != _SDPA_DOMAIN for f in model.functions.values())
+
+
+def _finish(model: ir.Model) -> None:
+    """Inline SDPA calls no later step converted, drop unused functions, import the domain."""
+    if any(n.domain == _SDPA_DOMAIN for n in _all_nodes(model)):
+        common_passes.InlinePass()(model)
+    for key in [k for k, f in model.functions.items() if f.domain == _SDPA_DOMAIN]:
+        function = model.functions.pop(key)
+        io._unlink_graph(function.graph)  # see io.release
+        function.attributes._owner = None
+    model.opset_imports.pop(_SDPA_DOMAIN, None)
+    if any(n.domain == MS_DOMAIN for n in _all_nodes(model)):
+        model.opset_imports.setdefault(MS_DOMAIN, 1)
+    common_passes.RemoveUnusedNodesPass()(model)
+    for node in _all_nodes(model):
+        if FUSED_TAG in node.metadata_props:
+            _drop_unused_outputs(node)
+            _type_outputs(node, model)
+
+
+class _RootFiltered:
+    """A rewrite rule that declines a node before matching when the node's op type is not
+    that of the pattern's root: onnxscript tries every rule on every node, ~20 µs a try,
+    which alone would cost a minute on a 50k-node transformer."""
+
+    def __init__(self, rule) -> None:
+        self._rule = rule
+        roots = rule._target_pattern.output_nodes
+        ops = [n.op_identifier() for n in roots]
+        self._root_ops = {op[1] for op in ops} if len(roots) == 1 and None not in ops else None
+
+    def try_rewrite(self, model, graph_or_function, node, **kwargs):
+        if self._root_ops is not None and node.op_type not in self._root_ops:
+            return None
+        return self._rule.try_rewrite(model, graph_or_function, node, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._rule, name)
+
+
+def _root_filtered(rules):
+    from onnxscript.rewriter import pattern
+
+    return pattern.RewriteRuleSet([_RootFiltered(r) for r in rules.rules])
+
+
+def _forget_matches(rules) -> None:
+    """onnxscript's matchers keep the graph, node and match they saw last; its rule sets are
+    module-level objects, so that would keep the whole model alive after the rewrite."""
+    for rule in rules.rules:
+        matcher = getattr(rule, "_matcher", None)
+        for attr in ("_graph", "_current_node", "_match"):
+            if hasattr(matcher, attr):
+                setattr(matcher, attr, None)
+
+
+def _unlink(nodes: list[ir.Node]) -> None:
+    """Cut the node <-> value and node <-> attribute cycles of nodes the rewrite dropped, so
+    reference counting frees them (the rewrite runs with the cyclic collector paused; see
+    ``io.release``)."""
+    for node in nodes:
+        node._inputs = node._outputs = ()
+        node._graph = node._attributes._owner = None
+
+
+def _drop_unused_outputs(node: ir.Node) -> None:
+    """Omit optional outputs nobody reads (the skip norms' float32 mean and inv_std_var):
+    an empty output name tells the runtime not to produce them, and the output carries no
+    high-precision value that the plan or the report would have to account for."""
+    for value in node.outputs[1:]:
+        if value.name and not value.uses() and not value.is_graph_output():
+            value.name, value.type, value.shape = "", None, None
+
+
+def fused_counts(model: ir.Model, created: set[int] | None = None) -> dict[str, int]:
+    """Fused ops by op key (``{"com.microsoft::SkipLayerNormalization": 4}``): those tagged by
+    the fusion step, and of those only the ``created`` ones (node ids) if given."""
+    counts = collections.Counter(
+        op_key(n) for n in _all_nodes(model)
+        if FUSED_TAG in n.metadata_props and op_key(n) in FUSED_OPS
+        and (created is None or id(n) in created))
+    return dict(sorted(counts.items()))
+
+
+def _type_outputs(node: ir.Node, model: ir.Model) -> None:
+    """Dtypes (and the obvious shapes) of a fused node's outputs: ONNX shape inference does
+    not know contrib ops, and the plan needs every dtype and, for cast costs, sizes."""
+    from amp_rewrite.onnx.ports import infer_output_dtypes, node_opset
+
+    infer_output_dtypes(node, node_opset(node, dict(model.opset_imports)))
+    first = node.inputs[0] if node.inputs else None
+    out = node.outputs[0]
+    if first is None or out.shape is not None:
+        return
+    if node.op_type in _SHAPE_OF_INPUT0:
+        out.shape = first.shape
+        if node.op_type.startswith("Skip") and len(node.outputs) > 3:
+            node.outputs[3].shape = first.shape
+    elif node.op_type == "MultiHeadAttention":
+        out.shape = _mha_output_shape(node)
+    elif node.op_type == "Attention" and node.domain in ("", "ai.onnx"):
+        out.shape = _attention_output_shape(node)
+
+
+def _attention_output_shape(node: ir.Node) -> ir.Shape | None:
+    """(batch, heads, q_sequence, v_head_size) for 4-D standard Attention inputs."""
+    q, v = node.inputs[0], node.inputs[2]
+    if q is None or v is None or q.shape is None or v.shape is None:
+        return None
+    if len(q.shape) == 4 and len(v.shape) == 4:
+        return ir.Shape([q.shape[0], q.shape[1], q.shape[2], v.shape[3]])
+    return None
+
+
+def _mha_output_shape(node: ir.Node) -> ir.Shape | None:
+    """(batch, q_sequence, v_hidden) for 3-D query/key/value (the BSD layout)."""
+    q, v = node.inputs[0], node.inputs[2] if len(node.inputs) > 2 else None
+    if q is None or v is None or q.shape is None or v.shape is None:
+        return None
+    if len(q.shape) == 3 and len(v.shape) == 3:
+        return ir.Shape([q.shape[0], q.shape[1], v.shape[2]])
+    return None
+
+
+__all__ = ["FUSED_OPS", "FUSED_TAG", "FusionPass", "TARGETS", "fused_counts", "fusion_steps",
+           "runtime_schema"]

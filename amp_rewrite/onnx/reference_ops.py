@@ -1,0 +1,188 @@
+"""``onnx.reference`` kernels for the onnxruntime contrib ops the fusion step can emit.
+
+``onnx.reference.ReferenceEvaluator`` runs every standard op in its declared dtype, which is
+how validation sees true fp16/bf16 rounding; it knows no contrib op. Each kernel here follows
+the onnxruntime kernel it stands for: inputs are read in their declared dtype, the arithmetic
+runs in float32 (ORT's fp16/bf16 kernels accumulate in fp32 registers), and every output is
+rounded once to its declared dtype, so a fused op's result carries exactly the rounding the
+runtime's does.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from onnx.reference.op_run import OpRun
+
+MS_DOMAIN = "com.microsoft"
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+def _f32(x: np.ndarray) -> np.ndarray:
+    return np.asarray(x).astype(np.float32)
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    from scipy.special import erf
+
+    return erf(x).astype(np.float32)
+
+
+def gelu_erf(x: np.ndarray) -> np.ndarray:
+    """0.5·x·(1 + erf(x/√2)) in float32."""
+    return 0.5 * x * (1.0 + _erf(x / np.float32(math.sqrt(2.0))))
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))) in float32."""
+    return 0.5 * x * (1.0 + np.tanh(np.float32(_SQRT_2_OVER_PI) * (x + 0.044715 * x * x * x)))
+
+
+class Gelu(OpRun):
+    op_domain = MS_DOMAIN
+
+    def _run(self, x, approximate=None):  # the evaluator passes the standard Gelu's default
+        return (gelu_erf(_f32(x)).astype(x.dtype),)
+
+
+class FastGelu(OpRun):
+    op_domain = MS_DOMAIN
+
+    def _run(self, x, bias=None):
+        v = _f32(x) if bias is None else _f32(x) + _f32(bias)
+        return (gelu_tanh(v).astype(x.dtype),)
+
+
+class BiasGelu(OpRun):
+    op_domain = MS_DOMAIN
+
+    def _run(self, a, b):
+        return (gelu_erf(_f32(a) + _f32(b)).astype(a.dtype),)
+
+
+class QuickGelu(OpRun):
+    op_domain = MS_DOMAIN
+
+    def _run(self, x, alpha=None):
+        alpha = np.float32(1.702 if alpha is None else alpha)
+        v = _f32(x)
+        with np.errstate(over="ignore"):  # exp(-αx) → inf gives sigmoid 0, as intended
+            return ((v / (1.0 + np.exp(-alpha * v))).astype(x.dtype),)
+
+
+def _layer_norm(v: np.ndarray, epsilon: float, simplified: bool):
+    """(normalised, mean, inv_std) over the last axis, float32, keepdims."""
+    mean = np.zeros_like(v[..., :1]) if simplified else v.mean(axis=-1, keepdims=True)
+    centred = v - mean
+    inv_std = 1.0 / np.sqrt((centred * centred).mean(axis=-1, keepdims=True) + epsilon)
+    return centred * inv_std, mean, inv_std.astype(np.float32)
+
+
+class _OmitsOutputs(OpRun):
+    """Base of kernels with optional outputs that a node may omit (empty output name).
+
+    The evaluator stores every result under its output name; a result stored under "" would
+    be read as the omitted optional input of the next node that has one. ``run`` (after
+    OpRun's own checks) hands back None there, which is what "" means to the evaluator.
+    """
+
+    def run(self, *args, **kwargs):
+        outputs = super().run(*args, **kwargs)
+        names = list(self.onnx_node.output)
+        return tuple(v if names[i] else None for i, v in enumerate(outputs[:len(names)]))
+
+
+def _epsilon(epsilon) -> np.float32:
+    return np.float32(1e-5 if epsilon is None else epsilon)
+
+
+class SkipLayerNormalization(_OmitsOutputs):
+    """LayerNorm(input + skip + bias)·gamma + beta; outputs (y, mean, inv_std, sum)."""
+
+    op_domain = MS_DOMAIN
+
+    def _run(self, x, skip, gamma, beta=None, bias=None, epsilon=None):
+        total = _f32(x) + _f32(skip) + (0 if bias is None else _f32(bias))
+        normalised, mean, inv_std = _layer_norm(total, _epsilon(epsilon), simplified=False)
+        y = normalised * _f32(gamma) + (0 if beta is None else _f32(beta))
+        return y.astype(x.dtype), mean.astype(np.float32), inv_std, total.astype(x.dtype)
+
+
+class SkipSimplifiedLayerNormalization(_OmitsOutputs):
+    """RMSNorm(input + skip + bias)·gamma; outputs (y, mean, inv_std, sum)."""
+
+    op_domain = MS_DOMAIN
+
+    def _run(self, x, skip, gamma, bias=None, epsilon=None):
+        total = _f32(x) + _f32(skip) + (0 if bias is None else _f32(bias))
+        normalised, mean, inv_std = _layer_norm(total, _epsilon(epsilon), simplified=True)
+        y = normalised * _f32(gamma)
+        return y.astype(x.dtype), mean.astype(np.float32), inv_std, total.astype(x.dtype)
+
+
+class SimplifiedLayerNormalization(_OmitsOutputs):
+    """onnxruntime's RMSNorm, registered in the default domain; Y has the scale's dtype."""
+
+    op_domain = ""
+
+    def _run(self, x, scale, axis=None, epsilon=None, stash_type=None):
+        axis = -1 if axis is None else axis
+        v = _f32(x)
+        axes = tuple(range(axis % v.ndim, v.ndim))
+        inv_std = 1.0 / np.sqrt((v * v).mean(axis=axes, keepdims=True) + _epsilon(epsilon))
+        y = v * inv_std * _f32(scale)
+        return y.astype(scale.dtype), inv_std.astype(np.float32)
+
+
+class MultiHeadAttention(OpRun):
+    """softmax(scale·QKᵀ + attention_bias [+ key_padding_mask])·V with 3-D (B, S, N·H)
+    query/key/value, as the fusion emits it; other layouts and the KV-cache inputs raise."""
+
+    op_domain = MS_DOMAIN
+
+    def _run(self, query, key=None, value=None, bias=None, key_padding_mask=None,
+             attention_bias=None, past_key=None, past_value=None, *rest, num_heads=None,
+             scale=None, mask_filter_value=None, unidirectional=None, **_):
+        if key is None or value is None or query.ndim != 3 or key.ndim != 3 or value.ndim != 3:
+            raise NotImplementedError("MultiHeadAttention reference: only 3-D q/k/v")
+        if past_key is not None or past_value is not None or bias is not None:
+            raise NotImplementedError("MultiHeadAttention reference: no bias or KV cache")
+        q, k, v = (self._heads(_f32(t), num_heads) for t in (query, key, value))
+        head = q.shape[-1]
+        scale = np.float32(1.0 / math.sqrt(head) if not scale else scale)
+        scores = np.matmul(q, np.swapaxes(k, -1, -2)) * scale
+        if attention_bias is not None:
+            scores = scores + _f32(attention_bias)
+        scores = self._masked(scores, key_padding_mask, mask_filter_value, unidirectional)
+        scores = scores - scores.max(axis=-1, keepdims=True)
+        weights = np.exp(scores)
+        weights /= weights.sum(axis=-1, keepdims=True)
+        out = np.matmul(weights, v)  # (B, N, S, Hv)
+        b, n, s, hv = out.shape
+        return (out.transpose(0, 2, 1, 3).reshape(b, s, n * hv).astype(query.dtype),)
+
+    @staticmethod
+    def _heads(t: np.ndarray, num_heads: int) -> np.ndarray:
+        b, s, hidden = t.shape
+        return t.reshape(b, s, num_heads, hidden // num_heads).transpose(0, 2, 1, 3)
+
+    @staticmethod
+    def _masked(scores, key_padding_mask, mask_filter_value, unidirectional):
+        fill = np.float32(-10000.0 if mask_filter_value is None else mask_filter_value)
+        if key_padding_mask is not None:
+            if key_padding_mask.ndim != 2:
+                raise NotImplementedError("MultiHeadAttention reference: 2-D key_padding_mask")
+            keep = key_padding_mask.astype(bool)[:, None, None, :]
+            scores = np.where(keep, scores, fill)
+        if unidirectional:
+            s, t = scores.shape[-2:]
+            causal = np.tril(np.ones((s, t), dtype=bool), k=t - s)
+            scores = np.where(causal, scores, fill)
+        return scores
+
+
+#: Every contrib op the fusion step can emit (tests check the list against fusion.FUSED_OPS).
+CONTRIB_OPS: tuple[type[OpRun], ...] = (
+    Gelu, FastGelu, BiasGelu, QuickGelu, SkipLayerNormalization,
+    SkipSimplifiedLayerNormalization, SimplifiedLayerNormalization, MultiHeadAttention,
+)
