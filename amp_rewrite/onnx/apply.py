@@ -22,7 +22,7 @@ import onnx_ir as ir
 
 from amp_rewrite.core import CastPlan, Precision, PrecisionPlan
 from amp_rewrite.onnx.ports import to_ir_dtype
-from amp_rewrite.onnx.view import INSERTED_TAG, OnnxView, cast_dtypes
+from amp_rewrite.onnx.view import FLOAT32_SENTINEL, INSERTED_TAG, OnnxView, cast_dtypes
 
 logger = logging.getLogger(__name__)
 REASON_KEY = "amp_rewrite.reason"
@@ -158,7 +158,8 @@ def _convert(array: np.ndarray, target: ir.DataType) -> tuple[np.ndarray, int]:
     limit = float(ml_dtypes.finfo(np_dtype).max)
     over = np.isfinite(array) & (np.abs(array) > limit)
     clamped = np.where(over, np.sign(array) * limit, array).astype(np_dtype)
-    return clamped, int(over.sum())
+    # ±float32's extreme is a sentinel for ±inf (view.FLOAT32_SENTINEL), not a value clamped
+    return clamped, int((over & (np.abs(array) != FLOAT32_SENTINEL)).sum())
 
 
 def _convert_sources(view: OnnxView, plan: PrecisionPlan, low_ir, stats: ApplyStats) -> None:

@@ -318,11 +318,24 @@ _LIMITS = {low: (float(info.max), float(info.smallest_subnormal)) for low, info 
     (LowDtype.BFLOAT16, ml_dtypes.finfo(ml_dtypes.bfloat16)))}
 
 
+# float32's extremes: what exporters write for -inf (HF's ``torch.finfo(float32).min`` in
+# attention masks). Stored as the low dtype's extreme (fp16 -65504) they keep their meaning,
+# exp(-65504 - s) is 0 like exp(-3.4e38 - s), so they are no reason to keep readers fp32.
+FLOAT32_SENTINEL = float(np.finfo(np.float32).max)
+
+
+def only_sentinels_beyond(array: np.ndarray, limit: float) -> bool:
+    """Whether every finite value of ``array`` beyond ``limit`` is ±float32's extreme."""
+    magnitude = np.abs(array)
+    beyond = magnitude[np.isfinite(magnitude) & (magnitude > limit)]
+    return bool(beyond.size) and bool((beyond == FLOAT32_SENTINEL).all())
+
+
 def range_problem(array: np.ndarray, low: LowDtype) -> str | None:
     """Why ``array`` (float32) does not fit the low dtype, or None.
 
     It does not fit when a finite value exceeds the dtype's range (it would be clamped or
-    become Inf) or when values significant within the tensor (within 2**-10 of its largest)
+    become Inf), unless all such values are ±float32's extreme (mask sentinels), or when values significant within the tensor (within 2**-10 of its largest)
     fall so deep into the subnormals that converting loses more than 1/8 of them.
     """
     if array.dtype != np.float32 or array.size == 0:
@@ -333,8 +346,10 @@ def range_problem(array: np.ndarray, low: LowDtype) -> str | None:
         magnitude = np.abs(array)
         finite = magnitude[np.isfinite(magnitude)]
         top = float(finite.max()) if finite.size else 0.0
-    if top > limit:
+    if top > limit and not only_sentinels_beyond(array, limit):
         return f"values up to {top:.3g}, beyond {low.value}'s ±{limit:.6g}"
+    if top > limit:
+        return None  # the sentinels map to the low dtype's extremes (apply._convert)
     if top == 0.0 or top * _SIGNIFICANT >= 4 * tiny:
         return None  # every significant value converts within 1/8 of itself
     info = ml_dtypes.finfo(np.float16 if low is LowDtype.FLOAT16 else ml_dtypes.bfloat16)

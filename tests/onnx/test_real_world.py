@@ -16,6 +16,7 @@ import pytest
 from onnx.reference import ReferenceEvaluator
 
 from amp_rewrite.onnx import rewrite_onnx
+from amp_rewrite.onnx.api import rewrite_onnx_model
 
 
 def rel_error(expected: np.ndarray, got: np.ndarray) -> float:
@@ -371,3 +372,37 @@ def test_cli_opset_and_clamp_constants_flags(rng, tmp_path):
     assert main([str(src), "-o", str(out), "--report", str(report), "-q",
                  "--clamp-constants"]) == 0
     assert json.loads(report.read_text())["values_clamped"] == 8
+
+
+def test_float32_extreme_mask_sentinel_maps_to_the_low_extreme_and_stays_low():
+    """HF exports write finfo(float32).min for masked positions: a sentinel for -inf, not a
+    value that needs fp32. It is stored as fp16's -65504 (softmax weight still 0) and its
+    readers run low; a real out-of-range value beside it keeps the old fp32 decision."""
+    from onnx import helper as oh
+    from onnx import numpy_helper as onh
+
+    from amp_rewrite.onnx import validate
+
+    lowest = np.finfo(np.float32).min
+    mask = np.where(np.triu(np.ones((4, 4), bool), 1), lowest, 0).astype(np.float32)
+    nodes = [oh.make_node("MatMul", ["x", "w"], ["s"]),
+             oh.make_node("Add", ["s", "mask"], ["m"]),
+             oh.make_node("Softmax", ["m"], ["y"], axis=-1)]
+    graph = oh.make_graph(
+        nodes, "g", [oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [4, 4])],
+        [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [4, 4])],
+        [onh.from_array(np.eye(4, dtype=np.float32), "w"), onh.from_array(mask, "mask")])
+    fp32 = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
+    fp32.ir_version = 8
+    result = rewrite_onnx_model(fp32)
+    assert result.report["constants_kept_fp32"] == []
+    assert result.report["values_clamped"] == 0
+    add = next(n for n in result.report["nodes"] if n["op_type"] == "Add")
+    assert add["precision"] == "low"
+    feeds = {"x": np.random.default_rng(0).standard_normal((4, 4)).astype(np.float32)}
+    expected = validate.run(fp32, feeds)
+    out = result.proto()
+    for run in (validate.run, validate.reference_run):
+        got = run(out, validate.as_declared(out, feeds))["y"].astype(np.float32)
+        assert np.isfinite(got).all()
+        np.testing.assert_allclose(got, expected["y"], atol=2e-3)
