@@ -21,6 +21,7 @@ import onnx
 import onnx_ir as ir
 
 from amp_rewrite.core import CastPlan, Precision, PrecisionPlan
+from amp_rewrite.onnx import convert
 from amp_rewrite.onnx.ports import to_ir_dtype
 from amp_rewrite.onnx.view import INSERTED_TAG, OnnxView, cast_dtypes
 
@@ -144,8 +145,9 @@ def _convert(array: np.ndarray, target: ir.DataType) -> tuple[np.ndarray, int]:
         return np.asarray(array, np.float32), 0
     np_dtype = np.float16 if target == ir.DataType.FLOAT16 else ml_dtypes.bfloat16
     array = np.asarray(array)
-    converted = array.astype(np_dtype)
-    if not np.isinf(converted).any():  # the common case: two passes over the data
+    # float16 through onnxruntime's vectorised Cast, bit-identical to astype (convert.py)
+    converted = convert.to_float16(array) if np_dtype == np.float16 else array.astype(np_dtype)
+    if not convert.has_inf(converted):  # the common case: two passes over the data
         return converted, 0
     limit = float(ml_dtypes.finfo(np_dtype).max)
     over = np.isfinite(array) & (np.abs(array) > limit)
