@@ -145,9 +145,12 @@ def _convert(array: np.ndarray, target: ir.DataType) -> tuple[np.ndarray, int]:
         return np.asarray(array, np.float32), 0
     np_dtype = np.float16 if target == ir.DataType.FLOAT16 else ml_dtypes.bfloat16
     array = np.asarray(array)
-    # float16 through onnxruntime's vectorised Cast, bit-identical to astype (convert.py)
-    converted = convert.to_float16(array) if np_dtype == np.float16 else array.astype(np_dtype)
-    if not convert.has_inf(converted):  # the common case: two passes over the data
+    if np_dtype == np.float16:  # onnxruntime's vectorised Cast, bit-identical (convert.py)
+        converted, overflowed = convert.to_float16(array)
+    else:
+        converted = array.astype(np_dtype)
+        overflowed = convert.has_inf(converted)
+    if not overflowed:  # the common case
         return converted, 0
     limit = float(ml_dtypes.finfo(np_dtype).max)
     over = np.isfinite(array) & (np.abs(array) > limit)

@@ -23,24 +23,32 @@ _EXPONENT_BITS = {np.dtype(np.float16): np.uint16(0x7C00),
 
 @functools.lru_cache(maxsize=1)
 def _cast_session():
+    """x (float32) → y = Cast(x) (float16) and the count of ±inf in y, in one call."""
     import onnxruntime as ort
 
+    nodes = [helper.make_node("Cast", ["x"], ["y"], to=TensorProto.FLOAT16),
+             helper.make_node("IsInf", ["y"], ["is_inf"]),
+             helper.make_node("Cast", ["is_inf"], ["ones"], to=TensorProto.INT64),
+             helper.make_node("ReduceSum", ["ones"], ["infs"], keepdims=0)]
     graph = helper.make_graph(
-        [helper.make_node("Cast", ["x"], ["y"], to=TensorProto.FLOAT16)], "to_float16",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, ["n"])])
-    # IR 9 / opset 19: accepted by every onnxruntime this package supports.
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)], ir_version=9)
-    onnx.checker.check_model(model)
+        nodes, "to_float16", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, ["n"]),
+         helper.make_tensor_value_info("infs", TensorProto.INT64, [])])
+    # IR 9 / opset 20 (IsInf on float16): accepted by every onnxruntime this package supports.
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], ir_version=9)
+    onnx.checker.check_model(model, full_check=True)
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
 
 
-def to_float16(array: np.ndarray) -> np.ndarray:
-    """``array.astype(np.float16)``, through onnxruntime for large float32 arrays."""
+def to_float16(array: np.ndarray) -> tuple[np.ndarray, bool]:
+    """``array.astype(np.float16)`` (through onnxruntime for large float32 arrays), and
+    whether it holds ±inf (the IsInf kernel reads it while it is still in cache)."""
     if array.dtype != np.float32 or array.size < ORT_MIN_ELEMENTS:
-        return array.astype(np.float16)
+        converted = array.astype(np.float16)
+        return converted, has_inf(converted)
     flat = np.ascontiguousarray(array).reshape(-1)
-    return _cast_session().run(None, {"x": flat})[0].reshape(array.shape)
+    converted, infs = _cast_session().run(None, {"x": flat})
+    return converted.reshape(array.shape), bool(infs)
 
 
 def has_inf(array: np.ndarray) -> bool:

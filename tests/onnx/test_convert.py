@@ -25,16 +25,19 @@ def test_to_float16_has_numpy_bits(shape):
     array = _awkward_floats(int(np.prod(shape))).reshape(shape)
     with np.errstate(over="ignore"):
         want = array.astype(np.float16)
-    got = convert.to_float16(array)
+    got, overflowed = convert.to_float16(array)
     assert got.shape == shape and got.dtype == np.float16
     assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
+    assert overflowed == bool(np.isinf(want).any())
+    in_range = np.where(np.abs(array) < 65504, array, np.float32(np.nan))  # NaN is no inf
+    assert not convert.to_float16(in_range)[1]
 
 
 def test_to_float16_of_a_strided_view():
     array = _awkward_floats(1 << 18).reshape(512, 512)[:, ::2]
     with np.errstate(over="ignore"):
         want = array.astype(np.float16)
-    assert np.array_equal(convert.to_float16(array).view(np.uint16), want.view(np.uint16))
+    assert np.array_equal(convert.to_float16(array)[0].view(np.uint16), want.view(np.uint16))
 
 
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
