@@ -37,7 +37,10 @@ def _cast_session():
     # IR 9 / opset 20 (IsInf on float16): accepted by every onnxruntime this package supports.
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], ir_version=9)
     onnx.checker.check_model(model, full_check=True)
-    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    options = ort.SessionOptions()
+    options.enable_cpu_mem_arena = False  # an arena would keep the largest output's buffer
+    return ort.InferenceSession(model.SerializeToString(), options,
+                                providers=["CPUExecutionProvider"])
 
 
 def to_float16(array: np.ndarray) -> tuple[np.ndarray, bool]:
