@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         "capture_s_median": statistics.median(captures),
         "rewrite_s_median": statistics.median(rewrites),
         "rewrite_s_all": rewrites, "capture_s_all": captures, "budget_s": budget,
-        "host_probes_s": probes, "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
+        "host_probes_s": probes, "torch": torch.__version__,
+        "machine": platform.processor() or platform.machine(),
     }
     print(f"{result['model']}: {result['fx_nodes']} fx nodes, {result['casts']} casts")
     print(f"capture (torch.export) median {result['capture_s_median']:.2f} s")

@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 import amp_rewrite
-from amp_rewrite.core import maxflow, placement
+from amp_rewrite.core import maxflow
 from bench_onnx_speed import build_chain, host_probe  # tools/ is on sys.path as a script
 
 INT32_MAX = 2**31 - 1
@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
                     side = solve(net, s, t)
                     times.append(time.perf_counter() - start)
                 reference = side if reference is None else reference
-                print(f"{size:>5}  {variant:13} {len(net.tails):>6}  2**{np.log2(float(max(_caps(net)))):4.1f}"
+                log2_cap = np.log2(float(max(_caps(net))))
+                print(f"{size:>5}  {variant:13} {len(net.tails):>6}  2**{log2_cap:4.1f}"
                       f"  {str(fits):>10}  {name:11} {statistics.median(times):8.3f}"
                       f"  {bool((side == reference).all())}")
     print(f"host probe {host_probe():.3f} s")
