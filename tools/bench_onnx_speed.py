@@ -3,8 +3,12 @@
 Each model is a chain of blocks ``MatMul(16x16) -> Add -> Relu`` on a [4, 16] float32
 activation with FP32 initializers; the ``blocked`` variant appends a ``CumSum`` to every
 block: a reduction that amp_rewrite denies and that onnxconverter-common and ORT's
-converter keep in FP32 by default, so every block needs casts in and out. Sizes are node
-counts (1k, 10k, 50k by default).
+converter keep in FP32 by default, so every block needs casts in and out. The ``residual``
+variant is shaped like a transformer: blocks ``MatMul -> Add -> Relu -> Softmax`` whose output
+is added back to the block's input (the residual stream), which joins the whole model into
+one free region of the min cut; ``residual_deny`` adds a ``CumSum`` on each block's branch
+(before the residual Add), so every block has a fixed-HIGH op inside that one region.
+Sizes are node counts (1k, 10k, 50k by default).
 
 Every converter runs in a worker process of its own (started and warmed up on a tiny model
 before timing), so a run that exceeds ``--timeout`` is killed and reported as ">timeout";
@@ -42,8 +46,11 @@ from amp_rewrite.bench import corpus, peers
 log = logging.getLogger("bench_onnx_speed")
 
 WIDTH, BATCH = 16, 4
-VARIANTS = ("plain", "blocked")
-BLOCK_OPS = {"plain": ("MatMul", "Add", "Relu"), "blocked": ("MatMul", "Add", "Relu", "CumSum")}
+VARIANTS = ("plain", "blocked", "residual", "residual_deny")
+BLOCK_OPS = {"plain": ("MatMul", "Add", "Relu"), "blocked": ("MatMul", "Add", "Relu", "CumSum"),
+             "residual": ("MatMul", "Add", "Relu", "Softmax", "Add"),
+             "residual_deny": ("MatMul", "Add", "Relu", "Softmax", "CumSum", "Add")}
+DENY_OP = "CumSum"
 BASELINE = "amp_rewrite"
 PROBE_ITERATIONS = 10_000_000
 
@@ -66,7 +73,7 @@ def build_chain(n_nodes: int, variant: str, seed: int = 0) -> onnx.ModelProto:
     rng = np.random.default_rng(seed)
     nodes: list[onnx.NodeProto] = []
     inits: list[onnx.TensorProto] = []
-    if variant == "blocked":
+    if DENY_OP in ops:
         inits.append(numpy_helper.from_array(np.array(1, np.int64), "axis"))
     x = "x"
     # Weights scaled so activations stay O(1) through thousands of blocks (finite FP32 run).
@@ -78,10 +85,17 @@ def build_chain(n_nodes: int, variant: str, seed: int = 0) -> onnx.ModelProto:
         nodes += [helper.make_node("MatMul", [x, f"w{b}"], [f"m{b}"]),
                   helper.make_node("Add", [f"m{b}", f"b{b}"], [f"a{b}"]),
                   helper.make_node("Relu", [f"a{b}"], [f"r{b}"])]
-        x = f"r{b}"
-        if variant == "blocked":
-            nodes.append(helper.make_node("CumSum", [x, "axis"], [f"c{b}"]))
-            x = f"c{b}"
+        branch = f"r{b}"
+        if "Softmax" in ops:
+            nodes.append(helper.make_node("Softmax", [branch], [f"s{b}"], axis=-1))
+            branch = f"s{b}"
+        if DENY_OP in ops:
+            nodes.append(helper.make_node(DENY_OP, [branch, "axis"], [f"c{b}"]))
+            branch = f"c{b}"
+        if ops[-1] == "Add" and len(ops) > 3:  # the residual stream: x + block(x)
+            nodes.append(helper.make_node("Add", [x, branch], [f"h{b}"]))
+            branch = f"h{b}"
+        x = branch
     nodes[-1].output[0] = "y"
     graph = helper.make_graph(
         nodes, f"chain_{variant}_{n_nodes}",

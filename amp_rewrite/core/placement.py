@@ -20,8 +20,13 @@ if its true cast bytes are lower than the exact answer's under fixed anchors.
 
 Each free group that would save memory traffic in low precision gets an edge g→t whose capacity
 is its traffic times (β·CAST_WEIGHT + 1), cast bytes being weighted by ``CAST_WEIGHT``: with the
-default β = 0 traffic only breaks ties between placements with the same cast bytes. networkx returns the source side reachable in the residual
-graph, the smallest HIGH set among all minimum cuts, so remaining ties go to LOW.
+default β = 0 traffic only breaks ties between placements with the same cast bytes. The min cut
+returned is the one whose sink side is the set of nodes that can reach the sink in the residual
+graph (what ``networkx.minimum_cut`` returns; the smallest LOW set among all minimum cuts). The
+traffic edges make every group that saves traffic strictly prefer LOW, so remaining ties are
+among groups that save nothing (sources, sinks), and those go HIGH. The region is solved on
+OR-Tools' compiled max-flow (``maxflow.sink_side``); ``MIN_CUT_SOLVER = "networkx"`` builds the
+same network in networkx, as the reference the tests compare with.
 
 Fixed groups are terminals, so the problem splits into independent free *regions*; a region
 whose neighbours are all LOW is all-LOW without a flow, small regions are enumerated, and only the
@@ -36,6 +41,7 @@ from typing import NamedTuple
 
 import networkx as nx
 
+from amp_rewrite.core import maxflow
 from amp_rewrite.core.graph import PrecisionGraph
 from amp_rewrite.core.precision import Precision
 from amp_rewrite.errors import UsageError
@@ -43,6 +49,7 @@ from amp_rewrite.errors import UsageError
 CAST_WEIGHT = 1 << 20  # one cast byte outweighs a MiB of saved traffic: casts first
 ENUMERATE_UP_TO = 4  # free groups; 2**4 labellings are cheaper than building a flow network
 _S, _T = "__amp_source__", "__amp_sink__"
+MIN_CUT_SOLVER = "compiled"  # or "networkx": the reference implementation, for tests
 
 
 class Region(NamedTuple):
@@ -194,6 +201,8 @@ def solve_canonical(terms: tuple[Term, ...], traffic: tuple[int, ...]) -> tuple[
         return (Precision.LOW,) * n  # no HIGH neighbour: all low costs nothing
     if n <= ENUMERATE_UP_TO:
         return _enumerate(terms, traffic)
+    if MIN_CUT_SOLVER == "networkx":
+        return _min_cut_networkx(terms, traffic)
     return _min_cut(terms, traffic)
 
 
@@ -213,7 +222,48 @@ def _enumerate(terms, traffic) -> tuple[Precision, ...]:
     return best_bits
 
 
-def _min_cut(terms, traffic) -> tuple[Precision, ...]:
+def _min_cut(terms: tuple[Term, ...], traffic: tuple[int, ...]) -> tuple[Precision, ...]:
+    """The networkx construction below on the compiled solver, labels identical.
+
+    Auxiliary nodes tied to a terminal by an infinite arc are that terminal (the arc is never
+    cut, and the node can reach the sink exactly when the terminal can), so a to-high node
+    with a fixed HIGH consumer is the source and a to-low node with a fixed LOW consumer is the
+    sink. Infinite arcs then never touch a terminal, which keeps int64 sums small.
+    """
+    n = len(traffic)
+    source, sink = n, n + 1
+    net = maxflow.FlowNetwork(n + 2)
+    inf = maxflow.INFINITE
+
+    def node(r: Ref) -> int:
+        if isinstance(r, int):
+            return r
+        return source if r is Precision.HIGH else sink
+
+    for g, t in enumerate(traffic):
+        net.add(g, sink, t)
+    for w, p, cs, low_only in terms:
+        fixed_readers = {c for c in cs if not isinstance(c, int)}
+        to_low = sink if Precision.LOW in fixed_readers else net.new_node()
+        to_high = source if Precision.HIGH in fixed_readers else net.new_node()
+        producer = node(p)
+        # Arcs out of the sink or into the source carry no flow: left out.
+        if producer != sink:
+            net.add(producer, to_low, w)
+        if producer != source:
+            net.add(to_high, producer, w)
+        free_readers = [c for c in cs if isinstance(c, int)]
+        if to_low != sink:
+            for c in (*free_readers, *low_only):  # low_only: read for free when HIGH
+                net.add(to_low, c, inf)
+        if to_high != source:
+            for c in free_readers:
+                net.add(c, to_high, inf)
+    reaches_sink = maxflow.sink_side(net, source, sink)
+    return tuple(Precision.LOW if reaches_sink[g] else Precision.HIGH for g in range(n))
+
+
+def _min_cut_networkx(terms, traffic) -> tuple[Precision, ...]:
     flow = nx.DiGraph()
     flow.add_nodes_from((_S, _T, *range(len(traffic))))
 

@@ -35,15 +35,22 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 
 class FuseTanhGelu(PassBase):
-    """The spelled-out tanh GELU → ``aten.gelu(x, approximate="tanh")`` (module docstring)."""
+    """The spelled-out tanh GELU → ``aten.gelu(x, approximate="tanh")`` (module docstring).
+
+    The fused node keeps the example value (``meta['val']``) of the chain it replaces.
+    """
 
     def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
         replaced = replace_pattern_with_filters(graph_module, _gelu_new, _gelu_tanh,
                                                 ignore_literals=False)
         for match in replaced:
-            anchor = match.anchor
-            for new in match.replacements:  # keep module paths for keep_fp32 patterns
-                new.meta.update({k: v for k, v in anchor.meta.items() if k != "val"})
+            # ``match.anchor`` is the pattern's node; the graph's own is in ``nodes_map``.
+            last = match.nodes_map[match.anchor]
+            # The fused gelu is the one replacement and returns what the chain's last op did
+            # (x's shape and dtype): it takes that node's meta, module path (for keep_fp32
+            # patterns) and example value alike, so no fake propagation is needed.
+            (gelu,) = match.replacements
+            gelu.meta.update(last.meta)
         if replaced:
             graph_module.graph.lint()
             graph_module.recompile()

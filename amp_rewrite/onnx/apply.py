@@ -21,6 +21,7 @@ import onnx
 import onnx_ir as ir
 
 from amp_rewrite.core import CastPlan, Precision, PrecisionPlan
+from amp_rewrite.onnx import convert
 from amp_rewrite.onnx.ports import to_ir_dtype
 from amp_rewrite.onnx.view import FLOAT32_SENTINEL, INSERTED_TAG, OnnxView, cast_dtypes
 
@@ -152,8 +153,12 @@ def _convert(array: np.ndarray, target: ir.DataType) -> tuple[np.ndarray, int]:
         return np.asarray(array, np.float32), 0
     np_dtype = np.float16 if target == ir.DataType.FLOAT16 else ml_dtypes.bfloat16
     array = np.asarray(array)
-    converted = array.astype(np_dtype)
-    if not np.isinf(converted).any():  # the common case: two passes over the data
+    if np_dtype == np.float16:  # onnxruntime's vectorised Cast, bit-identical (convert.py)
+        converted, overflowed = convert.to_float16(array)
+    else:
+        converted = array.astype(np_dtype)
+        overflowed = convert.has_inf(converted)
+    if not overflowed:  # the common case
         return converted, 0
     limit = float(ml_dtypes.finfo(np_dtype).max)
     over = np.isfinite(array) & (np.abs(array) > limit)

@@ -1,0 +1,65 @@
+"""Wall seconds per phase of one in-process ONNX rewrite of a synthetic chain.
+
+Wraps the phase functions (load: onnx_ir ``from_proto`` + inferred facts; view; plan, with its
+regions, canonical forms and min cut; apply; ``to_proto``; freeing the IR) with timers and
+rewrites one chain of ``tools/bench_onnx_speed.py`` per variant after a warm-up, printing the
+host probe next to each total. For a function-level profile run it under ``-m cProfile``.
+
+    PYTHONPATH=. python tools/profile_onnx_phases.py 50000 residual residual_deny plain
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+import onnx_ir as ir
+
+import amp_rewrite
+from amp_rewrite.core import placement
+from amp_rewrite.onnx import io, passes
+from bench_onnx_speed import build_chain, host_probe  # tools/ is on sys.path as a script
+
+PHASES = [(io, "load_model", "load"), (ir, "from_proto", "  onnx_ir.from_proto"),
+          (io, "_with_inferred_facts", "  inferred facts (shape inference)"),
+          (passes, "build_view", "view"), (passes, "plan_precision", "plan"),
+          (placement, "free_regions", "  free regions"), (placement, "canonical", "  canonical"),
+          (placement, "_min_cut", "  min cut"), (passes, "apply_plan", "apply"),
+          (io, "to_proto", "to_proto (onnx_ir)"), (io, "release", "release IR")]
+
+
+def timing(seconds: dict[str, float], module, name: str, label: str) -> None:
+    function = getattr(module, name)
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            seconds[label] = seconds.get(label, 0.0) + time.perf_counter() - start
+
+    setattr(module, name, timed)
+
+
+def main(argv: list[str]) -> int:
+    n_nodes, variants = int(argv[0]), argv[1:] or ["residual"]
+    seconds: dict[str, float] = {}
+    for module, name, label in PHASES:
+        timing(seconds, module, name, label)
+    for variant in variants:
+        model = build_chain(n_nodes, variant)
+        amp_rewrite.rewrite_onnx(build_chain(10, variant), check=False)  # warm-up
+        seconds.clear()
+        probe = host_probe()
+        start = time.perf_counter()
+        amp_rewrite.rewrite_onnx(model, check=False)
+        total = time.perf_counter() - start
+        print(f"{variant} {len(model.graph.node)} nodes: {total:.2f} s "
+              f"(host probe {probe:.2f} s)")
+        for _, _, label in PHASES:
+            if label in seconds:
+                print(f"  {label:38} {seconds[label]:6.2f} s  {seconds[label] / total:4.0%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
