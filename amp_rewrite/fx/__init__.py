@@ -20,9 +20,11 @@ from amp_rewrite.core.runtime import gc_paused, listed
 from amp_rewrite.errors import UsageError
 from amp_rewrite.fx.capture import capture as capture_module
 from amp_rewrite.fx.capture import refresh_fake_values
-from amp_rewrite.fx.fusion import FuseTanhGelu
+from amp_rewrite.fx.fusion import FUSED_FROM, FUSED_TAG, FuseAttention, FuseNorms, FuseTanhGelu
 from amp_rewrite.fx.passes import (FunctionalizeInPlace, InlineModules, MixedPrecisionOptions,
                                    MixedPrecisionPass)
+from amp_rewrite.fx.pointwise import FusePointwise, UnfuseRegions
+from amp_rewrite.fx.view import is_cast
 
 __all__ = ["explain", "rewrite", "rewrite_graph"]
 
@@ -37,7 +39,8 @@ def rewrite(model: torch.nn.Module, example_inputs: Any = None, *,
             dtype: torch.dtype | str = torch.float16, capture: str = "export",
             dynamic_shapes: Any = None, rules: Iterable[str] = (),
             keep_fp32: Iterable[str] = (), keep_io_types: bool = True,
-            device: str | None = None, autocast_floor: bool = True) -> torch.fx.GraphModule:
+            device: str | None = None, autocast_floor: bool = True,
+            fuse: bool = True) -> torch.fx.GraphModule:
     """Capture ``model`` and return a trainable mixed-precision ``GraphModule``.
 
     ``dtype``: torch.float16 / torch.bfloat16 (or 'fp16' / 'bf16'). ``capture``: 'export'
@@ -49,6 +52,9 @@ def rewrite(model: torch.nn.Module, example_inputs: Any = None, *,
     On 'cpu' the packaged ``torch_cpu.toml`` overlay applies (see ``rewrite_graph``).
     ``autocast_floor``: never run an op lower than ``torch.autocast`` would (``fx/floor.py``);
     False leaves those ops to the min cut alone (fewer cast bytes, larger error).
+    ``fuse``: fuse attention, norms and GELU into ATen kernels before the plan and pointwise
+    regions (casts included) into Inductor-compiled submodules after it (``fx/fusion.py``,
+    ``fx/pointwise.py``); False gives the unfused graph.
     The user's module is never mutated; the result owns copies of its parameters.
     """
     if example_inputs is None and not isinstance(model, torch.fx.GraphModule):
@@ -59,7 +65,7 @@ def rewrite(model: torch.nn.Module, example_inputs: Any = None, *,
     captured = time.perf_counter()
     gm = rewrite_graph(gm, dtype=dtype, rules=rules, keep_fp32=keep_fp32,
                        keep_io_types=keep_io_types, device=device,
-                       autocast_floor=autocast_floor)
+                       autocast_floor=autocast_floor, fuse=fuse)
     gm.amp_report["capture_seconds"] = round(captured - start, 4)
     return gm
 
@@ -67,7 +73,7 @@ def rewrite(model: torch.nn.Module, example_inputs: Any = None, *,
 def rewrite_graph(gm: torch.fx.GraphModule, *, dtype: torch.dtype | str = torch.float16,
                   rules: Iterable[str] = (), keep_fp32: Iterable[str] = (),
                   keep_io_types: bool = True, device: str | None = None,
-                  autocast_floor: bool = True) -> torch.fx.GraphModule:
+                  autocast_floor: bool = True, fuse: bool = True) -> torch.fx.GraphModule:
     """Run the passes on a captured GraphModule (``meta['val']`` on its nodes), in place.
 
     ``device`` (default: the device type of the graph's example values) selects kernel facts:
@@ -83,19 +89,56 @@ def rewrite_graph(gm: torch.fx.GraphModule, *, dtype: torch.dtype | str = torch.
                                     listed(keep_fp32), keep_io_types, device, autocast_floor)
     start = time.perf_counter()
     with gc_paused():
-        inlined = InlineModules()(gm).modified
-        fused = FuseTanhGelu()(gm).modified
+        inlined = UnfuseRegions()(gm).modified | InlineModules()(gm).modified
+        fused = any([p(gm).modified for p in _pattern_passes(fuse)])
         if inlined or fused:
             refresh_fake_values(gm)
         FunctionalizeInPlace()(gm)
         amp = MixedPrecisionPass(options)
         amp(gm)
-    gm.meta[EXPLAIN_KEY] = amp.explanations()
+        pointwise = FusePointwise()
+        if fuse:
+            pointwise(gm)
+    gm.meta[EXPLAIN_KEY] = _with_fusions(gm, amp.explanations())
     gm.amp_report = {**amp.report(), "device": device,
+                     "fused": _fused_summary(gm, pointwise),
                      "seconds": round(time.perf_counter() - start, 4)}
     for note in gm.amp_report["notes"]:
         log.warning("%s", note)
     return gm
+
+
+def _pattern_passes(fuse: bool) -> list:
+    """Pattern fusion before the plan; without ``fuse`` only the ATen tanh-GELU, as before."""
+    if not fuse:
+        return [FuseTanhGelu(traced=False)]
+    return [FuseTanhGelu(), FuseAttention(), FuseNorms()]
+
+
+def _fused_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    nodes = list(gm.graph.nodes)
+    for module in gm.children():
+        region = getattr(module, "region", None)
+        if isinstance(region, torch.fx.GraphModule):
+            nodes.extend(region.graph.nodes)
+    return [n for n in nodes if n.meta.get(FUSED_TAG) and not is_cast(n)]
+
+
+def _fused_summary(gm: torch.fx.GraphModule, pointwise: FusePointwise) -> dict:
+    patterns: dict[str, int] = {}
+    for node in _fused_nodes(gm):
+        patterns[node.meta[FUSED_TAG]] = patterns.get(node.meta[FUSED_TAG], 0) + 1
+    return {"patterns": patterns, **pointwise.summary()}
+
+
+def _with_fusions(gm: torch.fx.GraphModule,
+                  explanations: dict[str, list[str]]) -> dict[str, list[str]]:
+    """Explanations of fused nodes start with what the fusion replaced."""
+    for node in _fused_nodes(gm):
+        line = (f"{node.name}: fused {node.meta[FUSED_TAG]} pattern (replaced "
+                f"{node.meta[FUSED_FROM]})")
+        explanations[node.name] = [line, *explanations.get(node.name, [])]
+    return explanations
 
 
 def graph_device(gm: torch.fx.GraphModule) -> str:
