@@ -407,7 +407,7 @@ class FuseNorms(PassBase):
                     and _last_dim(mean.args[1], _val(mean).dim()) and _keepdim(mean)):
                 match.nodes |= {t, mean}
                 return x, mean
-        return _through_identities(t), None
+        return t, None  # the model's own conversion stays the input: its fp32 request holds
 
     @staticmethod
     def _normalised(root: Node, centred: Node, mean: Node | None, match: _Match) -> Node | None:
@@ -427,7 +427,7 @@ class FuseNorms(PassBase):
         if mean is None:
             if _through_identities(operand) is not _through_identities(centred):
                 return None
-            match.optional |= {n for n in (operand, centred) if _is_identity(n)}
+            match.optional |= {n for n in (operand,) if _is_identity(n) and n is not centred}
         elif operand is not centred:
             if not (_is(operand, aten.sub.Tensor) and operand.args == centred.args):
                 return None

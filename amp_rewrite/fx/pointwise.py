@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import operator
 import os
 import time
 from collections import Counter
@@ -195,6 +196,7 @@ class FusePointwise(PassBase):
             node.target = f"{PREFIX}{i}"
             graph_module.add_submodule(node.target, region)
             node._rename(node.target)
+            _name_outputs(node)
             self.regions.append(region.signature)
         graph_module.graph.lint()
         graph_module.recompile()
@@ -202,6 +204,17 @@ class FusePointwise(PassBase):
 
     def summary(self) -> dict[str, int]:
         return {"regions": len(self.regions), "distinct_regions": len(set(self.regions))}
+
+
+def _name_outputs(call: Node) -> None:
+    """``fused_3_out1 = fused_3[1]`` right after the call: the same code on every rewrite."""
+    anchor = call
+    for user in sorted(call.users, key=lambda u: u.args[1] if u.target is operator.getitem
+                       else -1):
+        if user.target is operator.getitem:
+            user._rename(f"{call.name}_out{user.args[1]}")
+            anchor.append(user)
+            anchor = user
 
 
 class UnfuseRegions(PassBase):
