@@ -14,7 +14,8 @@ Three parts (each prints a table; all results go to one JSON file):
   eager, FP32 eager, ``torch.compile`` of the autocast model; plus the one-time compile
   seconds of our regions and of ``torch.compile``.
 * ``attention``: SDPA calls per zoo model (one per attention block expected) and peak forward
-  memory at seq 1024 (profiler memory events: the maximum of the running sum of allocations)
+  memory at seq 1024 (profiler memory events: the maximum of the running sum of
+  allocations and frees)
   of ours vs autocast eager.
 
 Usage: ``.venv/bin/python tools/bench_fx_fusion.py [--parts kernels,step,attention]
@@ -132,7 +133,8 @@ def _stack(kind: str, layers: int):
             num_hidden_layers=layers, num_attention_heads=12, intermediate_size=3072),
             add_pooling_layer=False)
     return transformers.GPT2Model(transformers.GPT2Config(
-        attn_implementation="eager", vocab_size=8192, n_embd=768, n_layer=layers, n_head=12))
+        attn_implementation="eager", vocab_size=8192, n_embd=768, n_layer=layers, n_head=12,
+        bos_token_id=0, eos_token_id=0))
 
 
 class _Hidden(torch.nn.Module):
@@ -225,11 +227,11 @@ def _peak_forward_bytes(run) -> int:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                 profile_memory=True) as prof:
         run()
+    memory = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
     live = peak = 0
-    memory = sorted((e for e in prof.events() if e.name == "[memory]"),
-                    key=lambda e: e.time_range.start)
-    for event in memory:
-        live += event.cpu_memory_usage
+    for _, nbytes in memory:  # allocations positive, frees negative
+        live += nbytes
         peak = max(peak, live)
     return peak
 
@@ -249,7 +251,7 @@ def _long_text_model(kind: str):
     else:
         model = transformers.GPT2Model(transformers.GPT2Config(
             attn_implementation="eager", n_embd=64, n_head=4, n_layer=2, n_positions=1024,
-            vocab_size=512))
+            vocab_size=512, bos_token_id=0, eos_token_id=0))
     return _Hidden(model).eval()
 
 
