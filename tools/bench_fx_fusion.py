@@ -9,8 +9,9 @@ Three parts (each prints a table; all results go to one JSON file):
   or one Inductor-generated C++ kernel (``cpp.enable_kernel_profile``); so autocast's own
   casts, hidden inside each op's autocast wrapper, count as the copies they are.
 * ``step``: CPU training-step time (median of ``--steps`` after warm-up) at bf16 on a
-  BERT-base-shaped and a GPT-2-small-shaped stack (hidden 768, 12 heads, ``--layers`` layers,
-  seq 128, batch 8): rewrite + fusion + ``AmpOptimizer``, ``torch.autocast`` + ``GradScaler``
+  BERT-shaped and a GPT-2-shaped stack (default BERT-base / GPT-2 small: ``--hidden 768
+  --heads 12 --layers 4 --seq 128 --batch 8``; CPUs without bf16 GEMM instructions run bf16
+  GEMMs ~60x slower than fp32, so pass smaller shapes there): rewrite + fusion + ``AmpOptimizer``, ``torch.autocast`` + ``GradScaler``
   eager, FP32 eager, ``torch.compile`` of the autocast model; plus the one-time compile
   seconds of our regions and of ``torch.compile``.
 * ``attention``: SDPA calls per zoo model (one per attention block expected) and peak forward
@@ -53,6 +54,7 @@ _NOT_KERNELS = {  # allocations, views and metadata: no pass over memory
     "result_type", "set_", "zeros_like", "zero_", "fill_", "ones_like", "full",
     "scalar_tensor", "_local_scalar_dense", "item", "is_nonzero", "numpy_T",
     "_has_compatible_shallow_copy_type", "sym_size", "sym_stride", "sym_numel",
+    "resolve_conj", "resolve_neg",
 }
 
 
@@ -124,17 +126,17 @@ def kernels_part() -> list[dict]:
 
 # --- training-step time ---------------------------------------------------------------------
 
-def _stack(kind: str, layers: int):
-    """A BERT-base- or GPT-2-small-shaped stack of ``layers`` layers, eager attention."""
+def _stack(kind: str, shape: argparse.Namespace):
+    """A BERT- or GPT-2-shaped stack (BERT-base / GPT-2 small: hidden 768, 12 heads)."""
     import transformers
     if kind == "bert":
         return transformers.BertModel(transformers.BertConfig(
-            attn_implementation="eager", vocab_size=8192, hidden_size=768,
-            num_hidden_layers=layers, num_attention_heads=12, intermediate_size=3072),
-            add_pooling_layer=False)
+            attn_implementation="eager", vocab_size=8192, hidden_size=shape.hidden,
+            num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+            intermediate_size=4 * shape.hidden), add_pooling_layer=False)
     return transformers.GPT2Model(transformers.GPT2Config(
-        attn_implementation="eager", vocab_size=8192, n_embd=768, n_layer=layers, n_head=12,
-        bos_token_id=0, eos_token_id=0))
+        attn_implementation="eager", vocab_size=8192, n_embd=shape.hidden, n_layer=shape.layers,
+        n_head=shape.heads, bos_token_id=0, eos_token_id=0))
 
 
 class _Hidden(torch.nn.Module):
@@ -160,16 +162,18 @@ def _median_step(step, steps: int) -> float:
     return statistics.median(times)
 
 
-def step_part(steps: int, layers: int) -> list[dict]:
+def step_part(steps: int, shape: argparse.Namespace) -> list[dict]:
     rows = []
     for kind in ("bert", "gpt2"):
         torch.manual_seed(0)
-        base = _Hidden(_stack(kind, layers)).train()
+        base = _Hidden(_stack(kind, shape)).train()
         for module in base.modules():  # dropout off: the same math on every side
             if isinstance(module, torch.nn.Dropout):
                 module.p = 0.0
-        ids = torch.randint(0, 8192, (8, 128), generator=torch.Generator().manual_seed(1))
-        row = {"model": f"{kind}-shaped ({layers} layers, seq 128, batch 8)"}
+        ids = torch.randint(0, 8192, (shape.batch, shape.seq),
+                            generator=torch.Generator().manual_seed(1))
+        row = {"model": f"{kind} (hidden {shape.hidden}, {shape.layers} layers, seq "
+                        f"{shape.seq}, batch {shape.batch})"}
 
         ours = amp_rewrite.rewrite(copy.deepcopy(base), (ids,), dtype=DTYPE)
         opt = AmpOptimizer(torch.optim.SGD(ours.parameters(), lr=1e-4), dtype=DTYPE)
@@ -188,6 +192,7 @@ def step_part(steps: int, layers: int) -> list[dict]:
         row["ours_regions"] = ours.amp_report["fused"]
         row["ours_s"] = _median_step(ours_step, steps)
 
+        print(f"  ours done ({row['ours_s']:.3f}s)", flush=True)
         row["autocast_s"] = _median_step(_eager_step(copy.deepcopy(base), ids, True), steps)
         row["fp32_s"] = _median_step(_eager_step(copy.deepcopy(base), ids, False), steps)
         compiled = torch.compile(copy.deepcopy(base))
@@ -292,6 +297,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parts", default="kernels,step,attention")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--json", default="fx_fusion.json")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -306,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         results["kernels"] = kernels_part()
     if "step" in parts:
         print(f"== CPU training-step time, median of {args.steps} ==")
-        results["step"] = step_part(args.steps, args.layers)
+        results["step"] = step_part(args.steps, args)
     results["region_compiles"] = pointwise.compile_stats()
     Path(args.json).write_text(json.dumps(results, indent=1, default=str))
     print(f"wrote {args.json}")

@@ -45,6 +45,9 @@ PREFIX = "fused_"
 _TEMP_PREFIX = "_amp_region_"
 BACKEND_ENV = "AMP_REWRITE_FUSED_BACKEND"
 _CASTS = (aten._to_copy.default, aten.to.dtype)
+# Composite ops with no kernel of their own on CPU: eager they run as 5-6 pointwise and
+# reduction kernels forward and more backward; Inductor fuses them with their neighbours.
+_COMPOSITES = (aten.rms_norm.default,)
 
 # (region structure, input metas, grad mode) -> compiled callable; shared by identical regions
 _COMPILED: dict[tuple, Callable] = {}
@@ -52,13 +55,16 @@ _STATE: dict[str, Any] = {"broken": None, "compile_seconds": 0.0, "compiles": 0}
 
 
 def is_fusible(node: Node) -> bool:
-    """Legality: a pointwise ATen op or a dtype conversion on tensors, nothing in place."""
+    """Legality: a pointwise ATen op, a dtype conversion or a composite norm (``_COMPOSITES``)
+    on tensors, nothing in place."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return False
     target = node.target
     if target in _CASTS:
         if set(node.kwargs) - {"dtype"}:
             return False
+    elif target in _COMPOSITES:
+        pass
     elif torch.Tag.pointwise not in target.tags or torch.Tag.nondeterministic_seeded in \
             target.tags or target._schema.is_mutable:
         return False
