@@ -1,6 +1,10 @@
 """Fusion on the torch path, measured on CPU: kernels per training step, step time, attention.
 
-Three parts (each prints a table; all results go to one JSON file):
+Four parts (each prints a table; all results go to one JSON file):
+
+* ``accuracy``: every zoo model at bf16 and fp16, relative error vs FP32 of the fused and
+  the unfused rewrite and of ``torch.autocast`` (regions run as Inductor would be asked to
+  run them unless ``AMP_REWRITE_FUSED_BACKEND=eager``).
 
 * ``kernels``: compute kernels per training step (forward + loss + backward, one step after
   warm-up, ``torch.profiler`` on CPU, same inputs) of ``amp_rewrite.rewrite`` with fusion
@@ -19,7 +23,7 @@ Three parts (each prints a table; all results go to one JSON file):
   allocations and frees)
   of ours vs autocast eager.
 
-Usage: ``.venv/bin/python tools/bench_fx_fusion.py [--parts kernels,step,attention]
+Usage: ``.venv/bin/python tools/bench_fx_fusion.py [--parts accuracy,kernels,step,attention]
 [--steps 20] [--layers 4] [--json fx_fusion.json]``. The run on a small shared machine takes
 minutes (``step`` dominates); keep other work off the machine while it runs.
 """
@@ -54,7 +58,7 @@ _NOT_KERNELS = {  # allocations, views and metadata: no pass over memory
     "result_type", "set_", "zeros_like", "zero_", "fill_", "ones_like", "full",
     "scalar_tensor", "_local_scalar_dense", "item", "is_nonzero", "numpy_T",
     "_has_compatible_shallow_copy_type", "sym_size", "sym_stride", "sym_numel",
-    "resolve_conj", "resolve_neg",
+    "resolve_conj", "resolve_neg", "dropout",  # dropout's kernel is native_dropout below it
 }
 
 
@@ -292,6 +296,38 @@ def attention_part() -> list[dict]:
     return rows
 
 
+# --- accuracy -------------------------------------------------------------------------------
+
+def _relative_errors(out, ref: torch.Tensor) -> tuple[float, float]:
+    """(max |diff| / max |ref|, ||diff|| / ||ref||) of the first output."""
+    diff = _first(out).float() - ref
+    return (diff.abs().max() / ref.abs().max()).item(), (diff.norm() / ref.norm()).item()
+
+
+def accuracy_part() -> list[dict]:
+    """Every zoo model, bf16 and fp16: fused vs unfused rewrite vs autocast, against FP32."""
+    rows = []
+    for name in zoo.NAMES:
+        model = zoo.build(name)
+        with torch.no_grad():
+            ref = _first(model.run()).float()
+        for dtype in (torch.bfloat16, torch.float16):
+            row = {"model": name, "dtype": str(dtype).removeprefix("torch.")}
+            for label, fuse in (("fused", True), ("unfused", False)):
+                gm = amp_rewrite.rewrite(model.module, model.args, example_kwargs=model.kwargs,
+                                         dtype=dtype, fuse=fuse)
+                with torch.no_grad():
+                    row[label] = _relative_errors(gm(*model.args, **model.kwargs), ref)
+            with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+                row["autocast"] = _relative_errors(model.module(*model.args, **model.kwargs),
+                                                   ref)
+            rows.append(row)
+            print(f"{name:16s} {row['dtype']:8s} " + "  ".join(
+                f"{k} {row[k][0]:.2e}/{row[k][1]:.2e}" for k in ("fused", "unfused",
+                                                                  "autocast")), flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default="kernels,step,attention")
@@ -307,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {"torch": torch.__version__, "threads": torch.get_num_threads(),
                      "dtype": str(DTYPE)}
     parts = args.parts.split(",")
+    if "accuracy" in parts:
+        print("== relative error vs FP32 (max-norm / RMS), fused vs unfused vs autocast ==")
+        results["accuracy"] = accuracy_part()
     if "attention" in parts:
         print("== attention: SDPA calls and peak forward memory at seq 1024 ==")
         results["attention"] = attention_part()

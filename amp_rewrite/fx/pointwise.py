@@ -45,9 +45,10 @@ PREFIX = "fused_"
 _TEMP_PREFIX = "_amp_region_"
 BACKEND_ENV = "AMP_REWRITE_FUSED_BACKEND"
 _CASTS = (aten._to_copy.default, aten.to.dtype)
-# Composite ops with no kernel of their own on CPU: eager they run as 5-6 pointwise and
-# reduction kernels forward and more backward; Inductor fuses them with their neighbours.
-_COMPOSITES = (aten.rms_norm.default,)
+# Norms: row reductions Inductor fuses with the pointwise ops and casts around them (the
+# residual add before, the cast after; forward and backward). rms_norm has no kernel of its
+# own on CPU at all: eager it runs as 5-6 kernels forward and more backward.
+_COMPOSITES = (aten.rms_norm.default, aten.layer_norm.default)
 
 # (region structure, input metas, grad mode) -> compiled callable; shared by identical regions
 _COMPILED: dict[tuple, Callable] = {}
