@@ -121,7 +121,9 @@ def _fused_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
         region = getattr(module, "region", None)
         if isinstance(region, torch.fx.GraphModule):
             nodes.extend(region.graph.nodes)
-    return [n for n in nodes if n.meta.get(FUSED_TAG) and not is_cast(n)]
+    # casts and region outputs copy their producer's meta: only the fused ops themselves
+    return [n for n in nodes if n.meta.get(FUSED_TAG) and not is_cast(n)
+            and isinstance(n.target, torch._ops.OpOverload)]
 
 
 def _fused_summary(gm: torch.fx.GraphModule, pointwise: FusePointwise) -> dict:

@@ -283,6 +283,8 @@ def test_zoo_model_with_fusion_is_as_accurate_as_unfused_and_autocast(name):
     assert fused_err <= 1.1 * flat_err and fused_err <= 1.1 * autocast_err
     if name in ("bert", "gpt2", "llama"):
         assert gm.amp_report["fused"]["patterns"]["attention"] == 2  # one SDPA per layer
+    if name == "gpt2":
+        assert gm.amp_report["fused"]["patterns"]["tanh_gelu"] == 2  # one per layer
     _first(gm(*model.args, **model.kwargs)).float().square().mean().backward()
     grads = [p.grad for p in gm.parameters() if p.grad is not None]
     assert grads and all(g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)
