@@ -1,7 +1,8 @@
 """Pointwise fusion after the plan and its casts (DESIGN §4, last step).
 
-``FusePointwise`` finds maximal acyclic regions of pointwise ATen ops, casts included, with
-torch.fx's ``CapabilityBasedPartitioner`` and turns each into one submodule with
+``FusePointwise`` finds maximal acyclic regions of pointwise ATen ops, casts and norms
+(``layer_norm``, ``rms_norm``: row reductions Inductor fuses with the residual add before and
+the cast after them) included, with torch.fx's ``CapabilityBasedPartitioner`` and turns each into one submodule with
 ``fuse_by_partitions``, wrapped in a ``FusedRegion``: ``print(gm.code)`` shows
 ``fused_0 = self.fused_0(...)`` and ``gm.fused_0.__doc__`` lists the ops.
 
