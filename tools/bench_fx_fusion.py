@@ -15,8 +15,8 @@ Four parts (each prints a table; all results go to one JSON file):
 * ``step``: CPU training-step time (median of ``--steps`` after warm-up) at bf16 on a
   BERT-shaped and a GPT-2-shaped stack (default BERT-base / GPT-2 small: ``--hidden 768
   --heads 12 --layers 4 --seq 128 --batch 8``; CPUs without bf16 GEMM instructions run bf16
-  GEMMs ~60x slower than fp32, so pass smaller shapes there): rewrite + fusion + ``AmpOptimizer``, ``torch.autocast`` + ``GradScaler``
-  eager, FP32 eager, ``torch.compile`` of the autocast model; plus the one-time compile
+  GEMMs ~60x slower than fp32, so pass smaller shapes there): rewrite + fusion +
+  ``AmpOptimizer``, ``torch.autocast`` + ``GradScaler`` eager, FP32 eager, ``torch.compile`` of the autocast model; plus the one-time compile
   seconds of our regions and of ``torch.compile``.
 * ``attention``: SDPA calls per zoo model (one per attention block expected) and peak forward
   memory at seq 1024 (profiler memory events: the maximum of the running sum of

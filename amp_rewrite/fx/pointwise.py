@@ -2,8 +2,8 @@
 
 ``FusePointwise`` finds maximal acyclic regions of pointwise ATen ops, casts and norms
 (``layer_norm``, ``rms_norm``: row reductions Inductor fuses with the residual add before and
-the cast after them) included, with torch.fx's ``CapabilityBasedPartitioner`` and turns each into one submodule with
-``fuse_by_partitions``, wrapped in a ``FusedRegion``: ``print(gm.code)`` shows
+the cast after them) included, with torch.fx's ``CapabilityBasedPartitioner``, and turns each
+into one submodule with ``fuse_by_partitions``, wrapped in a ``FusedRegion``: ``print(gm.code)`` shows
 ``fused_0 = self.fused_0(...)`` and ``gm.fused_0.__doc__`` lists the ops.
 
 A region's forward is the plain fx code of its ops. At call time, outside any tracing
@@ -27,7 +27,6 @@ import logging
 import operator
 import os
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -262,11 +261,3 @@ def _inline(gm: torch.fx.GraphModule, call: Node) -> None:
     graph.erase_node(call)
     delattr(gm, call.target)
 
-
-def region_op_counts(gm: torch.fx.GraphModule) -> Counter:
-    """Op name → how many times it occurs inside the fused regions of ``gm``."""
-    counts: Counter = Counter()
-    for module in gm.children():
-        if isinstance(module, FusedRegion):
-            counts.update(op_names(module.region))
-    return counts

@@ -216,7 +216,8 @@ def test_rule_file_overlay_moves_an_op(tmp_path):
     assert out_dtype(node(gm, "matmul")) == torch.float16  # still allow
     reasons = [r["reason"] for r in gm.amp_report["nodes"] if r["op_type"] == "linear"]
     assert all("keep GEMMs fp32 here" in r and str(overlay) in r for r in reasons)
-    one = amp_rewrite.rewrite(Block(), block_inputs(), rules=overlay, fuse=False)  # one path, not a list
+    # one path, not a list
+    one = amp_rewrite.rewrite(Block(), block_inputs(), rules=overlay, fuse=False)
     assert one.amp_report["nodes"] == gm.amp_report["nodes"]
 
 
@@ -303,7 +304,8 @@ def test_model_conversion_to_fp32_is_retyped_only_when_every_reader_runs_low():
 
 
 def test_explain_prints_the_reasons_for_one_node(capsys):
-    gm = amp_rewrite.rewrite(Block(), block_inputs(), device="cuda", fuse=False)  # softmax is deny there
+    # softmax is deny there
+    gm = amp_rewrite.rewrite(Block(), block_inputs(), device="cuda", fuse=False)
     lines = amp_rewrite.explain(gm, "softmax")
     assert lines and "deny" in lines[0] and "softmax" in lines[0]
     assert "deny" in capsys.readouterr().out
