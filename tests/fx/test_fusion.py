@@ -20,6 +20,7 @@ from amp_rewrite.fx import pointwise
 from amp_rewrite.fx.capture import capture, refresh_fake_values
 from amp_rewrite.fx.fusion import FUSED_TAG, FuseAttention, FuseNorms, FuseTanhGelu
 from amp_rewrite.fx.pointwise import FusedRegion
+from amp_rewrite.training import AmpOptimizer
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")
 aten = torch.ops.aten
@@ -329,3 +330,38 @@ def test_explain_names_the_fused_pattern(capsys):
                 if n.target is aten.scaled_dot_product_attention.default)
     lines = amp_rewrite.explain(gm, sdpa)
     assert "fused attention pattern" in lines[0] and "softmax" in lines[0]
+
+
+def test_digits_training_through_compiled_regions_reaches_fp32_accuracy(monkeypatch):
+    from tests.fx.test_training import LR, DigitsNet, _accuracy, _digits, _train
+
+    monkeypatch.setenv(pointwise.BACKEND_ENV, "inductor")
+    x, y, x_test, y_test = _digits()
+    torch.manual_seed(0)
+    fp32 = DigitsNet()
+    initial = copy.deepcopy(fp32.state_dict())
+    adam = torch.optim.Adam(fp32.parameters(), lr=LR)
+
+    def fp32_step(loss: torch.Tensor) -> None:
+        adam.zero_grad()
+        loss.backward()
+        adam.step()
+
+    _train(fp32, fp32_step, x, y)
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    mixed = amp_rewrite.rewrite(DigitsNet(), (x[:64],), dtype=torch.bfloat16,
+                                dynamic_shapes=({0: batch},))
+    mixed.load_state_dict(initial)
+    assert mixed.amp_report["fused"]["regions"] >= 1
+    opt = AmpOptimizer(torch.optim.Adam(mixed.parameters(), lr=LR), dtype=torch.bfloat16)
+
+    def amp_step(loss: torch.Tensor) -> None:
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+
+    before = pointwise.compile_stats()["compiles"]
+    _train(mixed, amp_step, x, y)
+    assert pointwise.compile_stats()["compiles"] > before  # the regions ran compiled
+    ours, reference = _accuracy(mixed, x_test, y_test), _accuracy(fp32, x_test, y_test)
+    assert reference > 0.9 and abs(ours - reference) <= 0.01
