@@ -104,11 +104,11 @@ _TINY_RESNET = {"embedding_size": 8, "hidden_sizes": [16, 32], "depths": [1, 1],
 
 
 def make_step(variant: str, work: Workload, dtype: torch.dtype, compile_: bool,
-              device: torch.device) -> Callable[[], None]:
+              device: torch.device, fuse: bool = True) -> Callable[[], None]:
     """One training step of ``variant`` on its own copy of the model and optimizer."""
     module = copy.deepcopy(work.module)
     if variant == "amp_rewrite":
-        module = amp_rewrite.rewrite(module, work.inputs, dtype=dtype)
+        module = amp_rewrite.rewrite(module, work.inputs, dtype=dtype, fuse=fuse)
     model = torch.compile(module) if compile_ else module
     fused = device.type == "cuda"
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4, fused=fused)
@@ -167,9 +167,10 @@ def run_all(args: argparse.Namespace, device: torch.device) -> list[dict]:
         for compile_ in compiles:
             for variant in VARIANTS:
                 row = {"model": name, "variant": variant, "compile": compile_,
-                       "dtype": args.dtype}
+                       "dtype": args.dtype, "fuse": args.fuse == "on"}
                 try:
-                    step = make_step(variant, work, DTYPES[args.dtype], compile_, device)
+                    step = make_step(variant, work, DTYPES[args.dtype], compile_, device,
+                                     fuse=args.fuse == "on")
                     row.update(measure(step, device, args.warmup, args.steps))
                 except torch.cuda.OutOfMemoryError:
                     row["error"] = "out of memory"
@@ -197,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--fuse", default="on", choices=["on", "off"],
+                        help="amp_rewrite.rewrite(fuse=...): pattern and pointwise fusion")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--tiny", action="store_true", help="tiny configs (smoke test)")
     parser.add_argument("--out", default="results/bench_gpu_training.json")

@@ -22,11 +22,13 @@ from amp_rewrite.errors import UsageError
 from amp_rewrite.fx import guards
 from amp_rewrite.fx.capture import capture as capture_module
 from amp_rewrite.fx.capture import refresh_fake_values
-from amp_rewrite.fx.fusion import FuseTanhGelu
+from amp_rewrite.fx.fusion import FUSED_FROM, FUSED_TAG, FuseAttention, FuseNorms, FuseTanhGelu
 from amp_rewrite.fx.modes import TrainEvalModule, in_mode
 from amp_rewrite.fx.pad import PadGemms
 from amp_rewrite.fx.passes import (FunctionalizeInPlace, InlineModules, MixedPrecisionOptions,
                                    MixedPrecisionPass)
+from amp_rewrite.fx.pointwise import FusePointwise, UnfuseRegions
+from amp_rewrite.fx.view import is_cast
 
 __all__ = ["TrainEvalModule", "explain", "rewrite", "rewrite_graph"]
 
@@ -42,8 +44,8 @@ def rewrite(model: torch.nn.Module, example_inputs: Any = None, *,
             dynamic_shapes: Any = None, rules: Iterable[str] = (),
             keep_fp32: Iterable[str] = (), keep_io_types: bool = True,
             device: str | None = None, autocast_floor: bool = True,
-            mode: str | None = None, pad: bool | PadPolicy | None = None
-            ) -> torch.fx.GraphModule | TrainEvalModule:
+            mode: str | None = None, pad: bool | PadPolicy | None = None,
+            fuse: bool = True) -> torch.fx.GraphModule | TrainEvalModule:
     """Capture ``model`` and return a trainable mixed-precision ``GraphModule``.
 
     ``dtype``: torch.float16 / torch.bfloat16 (or 'fp16' / 'bf16'). ``capture``: 'export'
@@ -62,6 +64,9 @@ def rewrite(model: torch.nn.Module, example_inputs: Any = None, *,
     ``pad``: pad low GEMM/conv dims to multiples of 8 in the graph (``fx/pad.py``); None: on
     for device 'cuda' (Tensor Cores), off elsewhere (padding buys nothing on CPU); a
     ``PadPolicy`` pads with that policy.
+    ``fuse``: fuse attention, norms and GELU into ATen kernels before the plan and pointwise
+    regions (casts included) into Inductor-compiled submodules after it (``fx/fusion.py``,
+    ``fx/pointwise.py``); False gives the unfused graph.
     The user's module is never mutated; the result owns copies of its parameters.
     """
     _check_rewrite_arguments(dtype=dtype, keep_fp32=keep_fp32, keep_io_types=keep_io_types,
@@ -88,7 +93,7 @@ def rewrite(model: torch.nn.Module, example_inputs: Any = None, *,
     captured = time.perf_counter()
     gm = rewrite_graph(gm, dtype=dtype, rules=rules, keep_fp32=keep_fp32,
                        keep_io_types=keep_io_types, device=device,
-                       autocast_floor=autocast_floor, pad=pad)
+                       autocast_floor=autocast_floor, pad=pad, fuse=fuse)
     gm.amp_report["capture_seconds"] = round(captured - start, 4)
     return gm
 
@@ -96,8 +101,8 @@ def rewrite(model: torch.nn.Module, example_inputs: Any = None, *,
 def rewrite_graph(gm: torch.fx.GraphModule, *, dtype: torch.dtype | str = torch.float16,
                   rules: Iterable[str] = (), keep_fp32: Iterable[str] = (),
                   keep_io_types: bool = True, device: str | None = None,
-                  autocast_floor: bool = True,
-                  pad: bool | PadPolicy | None = None) -> torch.fx.GraphModule:
+                  autocast_floor: bool = True, pad: bool | PadPolicy | None = None,
+                  fuse: bool = True) -> torch.fx.GraphModule:
     """Run the passes on a captured GraphModule (``meta['val']`` on its nodes), in place.
 
     ``device`` (default: the device type of the graph's example values) selects kernel facts:
@@ -116,16 +121,22 @@ def rewrite_graph(gm: torch.fx.GraphModule, *, dtype: torch.dtype | str = torch.
                                     listed(keep_fp32), keep_io_types, device, autocast_floor)
     start = time.perf_counter()
     with gc_paused():
-        inlined = InlineModules()(gm).modified
-        FuseTanhGelu()(gm)  # keeps meta['val']: no re-propagation (63% of GPT-2's rewrite)
-        if inlined:
+        inlined = UnfuseRegions()(gm).modified | InlineModules()(gm).modified
+        # the GELU fusion keeps meta['val'] (re-propagating was 63% of GPT-2's rewrite)
+        FuseTanhGelu(traced=fuse)(gm)
+        fused = any([p(gm).modified for p in _pattern_passes(fuse)])
+        if inlined or fused:
             refresh_fake_values(gm)
         FunctionalizeInPlace()(gm)
         amp = MixedPrecisionPass(options)
         amp(gm)
         padding = _pad(gm, device == "cuda" if pad is None else pad)  # a policy is truthy
-    gm.meta[EXPLAIN_KEY] = amp.explanations()
+        pointwise = FusePointwise()
+        if fuse:  # DESIGN §4: pointwise fusion last, casts and pads included
+            pointwise(gm)
+    gm.meta[EXPLAIN_KEY] = _with_fusions(gm, amp.explanations())
     gm.amp_report = {**amp.report(), "device": device, "padding": padding,
+                     "fused": _fused_summary(gm, pointwise),
                      "seconds": round(time.perf_counter() - start, 4)}
     _true_notes(gm.amp_report, foreign_notes)
     for note in gm.amp_report["notes"]:
@@ -183,6 +194,39 @@ def _pad(gm: torch.fx.GraphModule, enabled: bool | PadPolicy) -> dict:
     if pad(gm).modified:
         refresh_fake_values(gm)
     return pad.report()
+
+
+def _pattern_passes(fuse: bool) -> list:
+    """Pattern fusion before the plan beside the GELU one (which runs either way, as before)."""
+    return [FuseAttention(), FuseNorms()] if fuse else []
+
+
+def _fused_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    nodes = list(gm.graph.nodes)
+    for module in gm.children():
+        region = getattr(module, "region", None)
+        if isinstance(region, torch.fx.GraphModule):
+            nodes.extend(region.graph.nodes)
+    # casts and region outputs copy their producer's meta: only the fused ops themselves
+    return [n for n in nodes if n.meta.get(FUSED_TAG) and not is_cast(n)
+            and isinstance(n.target, torch._ops.OpOverload)]
+
+
+def _fused_summary(gm: torch.fx.GraphModule, pointwise: FusePointwise) -> dict:
+    patterns: dict[str, int] = {}
+    for node in _fused_nodes(gm):
+        patterns[node.meta[FUSED_TAG]] = patterns.get(node.meta[FUSED_TAG], 0) + 1
+    return {"patterns": patterns, **pointwise.summary()}
+
+
+def _with_fusions(gm: torch.fx.GraphModule,
+                  explanations: dict[str, list[str]]) -> dict[str, list[str]]:
+    """Explanations of fused nodes start with what the fusion replaced."""
+    for node in _fused_nodes(gm):
+        line = (f"{node.name}: fused {node.meta[FUSED_TAG]} pattern (replaced "
+                f"{node.meta[FUSED_FROM]})")
+        explanations[node.name] = [line, *explanations.get(node.name, [])]
+    return explanations
 
 
 def graph_device(gm: torch.fx.GraphModule) -> str:

@@ -38,3 +38,14 @@ def node(gm: torch.fx.GraphModule, name: str) -> torch.fx.Node:
 
 def out_dtype(n: torch.fx.Node) -> torch.dtype:
     return n.meta["val"].dtype
+
+
+@pytest.fixture(autouse=True)
+def _fused_regions_run_eager(monkeypatch):
+    """Fused pointwise regions run eager in tests unless a test asks for Inductor (each
+    compilation takes seconds; tests/fx/test_fusion.py covers the compiled path)."""
+    import os
+
+    from amp_rewrite.fx.pointwise import BACKEND_ENV
+    if BACKEND_ENV not in os.environ:
+        monkeypatch.setenv(BACKEND_ENV, "eager")

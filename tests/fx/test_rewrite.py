@@ -58,7 +58,7 @@ def test_outputs_match_fp32_within_tolerance(dtype):
 
 
 def test_one_cast_per_value_shared_by_all_its_low_consumers():
-    gm = amp_rewrite.rewrite(Block(), block_inputs())
+    gm = amp_rewrite.rewrite(Block(), block_inputs(), fuse=False)
     ln_casts = [c for c in casts(gm) if c.args[0].name == "layer_norm"]
     assert len(ln_casts) == 1  # the layer_norm output feeds q, k and v
     assert {u.target for u in ln_casts[0].users} == {torch.ops.aten.linear.default}
@@ -67,7 +67,7 @@ def test_one_cast_per_value_shared_by_all_its_low_consumers():
 
 
 def test_casts_sit_right_after_their_producer():
-    gm = amp_rewrite.rewrite(Block(), block_inputs())
+    gm = amp_rewrite.rewrite(Block(), block_inputs(), fuse=False)
     for cast in casts(gm):
         producer = cast.args[0]
         if producer.op != "placeholder":
@@ -78,7 +78,7 @@ def test_casts_sit_right_after_their_producer():
 
 
 def test_only_floating_point_tensors_are_cast():
-    gm = amp_rewrite.rewrite(Block(), block_inputs())
+    gm = amp_rewrite.rewrite(Block(), block_inputs(), fuse=False)
     assert all(c.args[0].meta["val"].is_floating_point() for c in casts(gm))
     mask = node(gm, "mask")
     assert not any(u in casts(gm) for u in mask.users)  # the int64 mask is read as is
@@ -105,7 +105,7 @@ def test_each_parameter_is_cast_once_per_forward_even_when_tied():
         def forward(self, ids: torch.Tensor) -> torch.Tensor:
             return F.linear(F.linear(self.emb(ids), self.emb.weight), self.emb.weight.t())
 
-    gm = amp_rewrite.rewrite(Tied(), (torch.tensor([[1, 2, 3]]),))
+    gm = amp_rewrite.rewrite(Tied(), (torch.tensor([[1, 2, 3]]),), fuse=False)
     weight_casts = [c for c in casts(gm) if c.args[0].op == "get_attr"]
     assert len(weight_casts) == 1
 
@@ -210,13 +210,14 @@ def test_keep_io_types_false_may_return_low_outputs():
 def test_rule_file_overlay_moves_an_op(tmp_path):
     overlay = tmp_path / "mine.toml"
     overlay.write_text('schema = 1\n[deny]\nlinear = "keep GEMMs fp32 here"\n')
-    gm = amp_rewrite.rewrite(Block(), block_inputs(), rules=[str(overlay)])
+    gm = amp_rewrite.rewrite(Block(), block_inputs(), rules=[str(overlay)], fuse=False)
     linears = [n for n in gm.graph.nodes if n.target is torch.ops.aten.linear.default]
     assert linears and all(out_dtype(n) == torch.float32 for n in linears)
     assert out_dtype(node(gm, "matmul")) == torch.float16  # still allow
     reasons = [r["reason"] for r in gm.amp_report["nodes"] if r["op_type"] == "linear"]
     assert all("keep GEMMs fp32 here" in r and str(overlay) in r for r in reasons)
-    one = amp_rewrite.rewrite(Block(), block_inputs(), rules=overlay)  # one path, not a list
+    # one path, not a list
+    one = amp_rewrite.rewrite(Block(), block_inputs(), rules=overlay, fuse=False)
     assert one.amp_report["nodes"] == gm.amp_report["nodes"]
 
 
@@ -233,7 +234,7 @@ def test_float_scalar_outside_the_low_range_keeps_its_node_high(dtype, expected)
             return torch.softmax(y.masked_fill(y > 0, -1e5) * 0.5, -1)
 
     x = torch.randn(3, 4)
-    gm = amp_rewrite.rewrite(Fill(), (x,), dtype=dtype)
+    gm = amp_rewrite.rewrite(Fill(), (x,), dtype=dtype, fuse=False)
     assert out_dtype(node(gm, "masked_fill")) == expected  # -1e5 < -65504, > -3.39e38
     assert out_dtype(node(gm, "mul")) == expected  # and so is what it flows into
     with torch.no_grad():
@@ -250,7 +251,7 @@ def test_upcast_into_a_promoting_op_is_left_to_type_promotion():
             return self.ln(x.exp() + self.fc(x))  # add(exp: fp32, GEMM: fp16) → deny op
 
     x = torch.randn(2, 8)
-    gm = amp_rewrite.rewrite(Residual(), (x,))
+    gm = amp_rewrite.rewrite(Residual(), (x,), fuse=False)
     add = node(gm, "add")
     assert out_dtype(add.args[1]) == torch.float16 and out_dtype(add) == torch.float32
     assert gm.amp_report["upcasts_by_promotion"] == 1
@@ -272,7 +273,7 @@ def test_planned_upcast_into_a_free_promoting_op_is_left_to_type_promotion():
             return self.ln(y + self.fc(x))  # y [16, 8] fp32 input, fc(x) [1, 8] fp16
 
     x, y = torch.randn(1, 8), torch.randn(16, 8)
-    gm = amp_rewrite.rewrite(Broadcast(), (x, y))
+    gm = amp_rewrite.rewrite(Broadcast(), (x, y), fuse=False)
     add = node(gm, "add")  # high: y, an fp32 input, promotes fc(x) for free
     assert out_dtype(add) == torch.float32 and out_dtype(add.args[1]) == torch.float16
     # x, weight and bias to fp16; the core plans no upcast of fc(x) (a free read)
@@ -296,14 +297,15 @@ def test_model_conversion_to_fp32_is_retyped_only_when_every_reader_runs_low():
             return self.a(low_readers), mixed_readers.exp() + self.b(mixed_readers)
 
     x = torch.randn(2, 8)
-    gm = amp_rewrite.rewrite(Upcasts(), (x,))
+    gm = amp_rewrite.rewrite(Upcasts(), (x,), fuse=False)
     conversions = [n for n in gm.graph.nodes if n.target is torch.ops.aten.to.dtype]
     assert [n.args[1] for n in conversions] == [torch.float16, torch.float32]
     assert gm.amp_report["nodes_retyped"] == 1
 
 
 def test_explain_prints_the_reasons_for_one_node(capsys):
-    gm = amp_rewrite.rewrite(Block(), block_inputs(), device="cuda")  # softmax is deny there
+    # softmax is deny there
+    gm = amp_rewrite.rewrite(Block(), block_inputs(), device="cuda", fuse=False)
     lines = amp_rewrite.explain(gm, "softmax")
     assert lines and "deny" in lines[0] and "softmax" in lines[0]
     assert "deny" in capsys.readouterr().out

@@ -1,0 +1,263 @@
+"""Pointwise fusion after the plan and its casts (DESIGN §4, last step).
+
+``FusePointwise`` finds maximal acyclic regions of pointwise ATen ops, casts and norms
+(``layer_norm``, ``rms_norm``: row reductions Inductor fuses with the residual add before and
+the cast after them) included, with torch.fx's ``CapabilityBasedPartitioner``, and turns each
+into one submodule with ``fuse_by_partitions``, wrapped in a ``FusedRegion``: ``print(gm.code)`` shows
+``fused_0 = self.fused_0(...)`` and ``gm.fused_0.__doc__`` lists the ops.
+
+A region's forward is the plain fx code of its ops. At call time, outside any tracing
+(``torch.compile``, ``torch.export``, fx, fake tensors), it runs the region compiled by Inductor
+(``compile_fx``: C++/OpenMP on CPU, Triton on CUDA), through ``aot_autograd`` so backward is a
+compiled kernel too. Compilation is lazy and cached process-wide by the region's structure and
+its inputs' shapes, strides, dtypes, devices and ``requires_grad``: identical regions (every
+layer of a transformer) compile once. Inside ``torch.compile``/``torch.export`` the plain code
+is traced, so the result still compiles and exports. Where Inductor fails (no C++ compiler,
+an unsupported op) the regions run eager, with one log line. Set the environment variable
+``AMP_REWRITE_FUSED_BACKEND=eager`` to skip compilation (tests, debugging).
+
+Parameters stay on the top module (``get_attr`` nodes are never part of a region), so
+``parameters()`` and ``state_dict()`` are unchanged. ``UnfuseRegions`` inlines the regions
+back, so a second rewrite plans the flat graph and fuses it the same way again.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import operator
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.fx import Node
+from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+from torch.fx.passes.infra.pass_base import PassBase, PassResult
+from torch.fx.passes.operator_support import OperatorSupportBase
+from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
+
+log = logging.getLogger(__name__)
+
+aten = torch.ops.aten
+PREFIX = "fused_"
+_TEMP_PREFIX = "_amp_region_"
+BACKEND_ENV = "AMP_REWRITE_FUSED_BACKEND"
+_CASTS = (aten._to_copy.default, aten.to.dtype)
+# Norms: row reductions Inductor fuses with the pointwise ops and casts around them (the
+# residual add before, the cast after; forward and backward). rms_norm has no kernel of its
+# own on CPU at all: eager it runs as 5-6 kernels forward and more backward.
+_COMPOSITES = (aten.rms_norm.default, aten.layer_norm.default)
+
+# (region structure, input metas, grad mode) -> compiled callable; shared by identical regions
+_COMPILED: dict[tuple, Callable] = {}
+_STATE: dict[str, Any] = {"broken": None, "compile_seconds": 0.0, "compiles": 0}
+
+
+def is_fusible(node: Node) -> bool:
+    """Legality: a pointwise ATen op, a dtype conversion or a composite norm (``_COMPOSITES``)
+    on tensors, nothing in place."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    target = node.target
+    if target in _CASTS:
+        if set(node.kwargs) - {"dtype"}:
+            return False
+    elif target in _COMPOSITES:
+        pass
+    elif torch.Tag.pointwise not in target.tags or torch.Tag.nondeterministic_seeded in \
+            target.tags or target._schema.is_mutable:
+        return False
+    if not isinstance(node.meta.get("val"), torch.Tensor):
+        return False
+    args = [a for a in node.all_input_nodes]
+    return all(isinstance(a.meta.get("val"), torch.Tensor) for a in args)
+
+
+class _Pointwise(OperatorSupportBase):
+    def is_node_supported(self, submodules: dict, node: Node) -> bool:
+        return is_fusible(node)
+
+
+class FusedRegion(nn.Module):
+    """A fused pointwise region: plain fx code, run compiled by Inductor outside tracing."""
+
+    def __init__(self, region: torch.fx.GraphModule) -> None:
+        super().__init__()
+        self.region = region
+        self.signature = structure(region)
+        ops = op_names(region)
+        self.__doc__ = (f"Fused pointwise region of {len(ops)} ops: {', '.join(ops)}. "
+                        "Runs compiled by Inductor (lazily, at the first call outside "
+                        "torch.compile/torch.export tracing); eager if no compiler works.")
+
+    def forward(self, *args: Any) -> Any:
+        if _tracing(args):
+            return self.region(*args)
+        compiled = _compiled_for(self.signature, self.region, args)
+        return self.region(*args) if compiled is None else compiled(*args)
+
+
+def op_names(region: torch.fx.GraphModule) -> list[str]:
+    return [str(n.target).split(".")[1] for n in region.graph.nodes if n.op == "call_function"]
+
+
+def structure(region: torch.fx.GraphModule) -> str:
+    """A canonical text of the region's graph: equal for regions that compute the same."""
+    index: dict[Node, int] = {}
+    lines = []
+
+    def ref(arg: Any) -> Any:
+        return torch.fx.node.map_arg(arg, lambda n: f"%{index[n]}")
+
+    for i, node in enumerate(region.graph.nodes):
+        index[node] = i
+        lines.append(f"{node.op} {node.target if node.op != 'placeholder' else ''} "
+                     f"{ref(node.args)!r} {ref(dict(node.kwargs))!r}")
+    return "\n".join(lines)
+
+
+def _tracing(args: Sequence[Any]) -> bool:
+    if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        return True
+    if torch.fx._symbolic_trace.is_fx_symbolic_tracing():
+        return True
+    return any(not isinstance(a, torch.Tensor) or type(a) not in (torch.Tensor, nn.Parameter)
+               for a in args)
+
+
+def _input_key(args: Sequence[torch.Tensor]) -> tuple:
+    return tuple((tuple(a.shape), a.stride(), a.dtype, a.device.type, a.requires_grad)
+                 for a in args)
+
+
+def _compiled_for(signature: str, region: torch.fx.GraphModule,
+                  args: Sequence[torch.Tensor]) -> Callable | None:
+    if os.environ.get(BACKEND_ENV, "inductor") == "eager" or _STATE["broken"]:
+        return None
+    key = (signature, _input_key(args), torch.is_grad_enabled())
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        compiled = _compile(region, args)
+        if compiled is None:
+            return None
+        _COMPILED[key] = compiled
+    return compiled
+
+
+def _compile(region: torch.fx.GraphModule, args: Sequence[torch.Tensor]) -> Callable | None:
+    from torch._inductor.compile_fx import compile_fx  # heavy import: only when first needed
+
+    start = time.perf_counter()
+    try:
+        compiled = compile_fx(copy.deepcopy(region), list(args))
+    except Exception as e:  # noqa: BLE001 - any compiler failure: run eager, say so once
+        _STATE["broken"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        log.warning("fused pointwise regions run eager: Inductor could not compile them (%s)",
+                    _STATE["broken"])
+        return None
+    _STATE["compile_seconds"] += time.perf_counter() - start
+    _STATE["compiles"] += 1
+    single = not isinstance(_output_arg(region), (tuple, list))
+
+    def run(*inputs: torch.Tensor) -> Any:
+        out = compiled(*inputs)
+        if single:
+            return out[0] if isinstance(out, (tuple, list)) else out
+        return tuple(out)
+
+    return run
+
+
+def _output_arg(region: torch.fx.GraphModule) -> Any:
+    return next(n for n in region.graph.nodes if n.op == "output").args[0]
+
+
+def compile_stats() -> dict[str, float]:
+    """Process-wide: Inductor compilations of fused regions so far and their seconds."""
+    return {"compiles": _STATE["compiles"],
+            "compile_seconds": round(_STATE["compile_seconds"], 3),
+            "cached_variants": len(_COMPILED)}
+
+
+class FusePointwise(PassBase):
+    """Maximal pointwise regions → ``FusedRegion`` submodules (module docstring)."""
+
+    def __init__(self) -> None:
+        self.regions: list[str] = []
+
+    def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
+        partitioner = CapabilityBasedPartitioner(graph_module, _Pointwise(),
+                                                 allows_single_node_partition=False)
+        partitions = [p for p in partitioner.propose_partitions() if len(p.nodes) > 1]
+        if not partitions:
+            return PassResult(graph_module, False)
+        fuse_by_partitions(graph_module, [dict.fromkeys(p.nodes) for p in partitions],
+                           prefix=_TEMP_PREFIX)
+        calls = [n for n in graph_module.graph.nodes
+                 if n.op == "call_module" and n.target.startswith(_TEMP_PREFIX)]
+        for i, node in enumerate(calls):  # numbered in graph order: stable across rewrites
+            region = FusedRegion(graph_module.get_submodule(node.target))
+            delattr(graph_module, node.target)
+            node.target = f"{PREFIX}{i}"
+            graph_module.add_submodule(node.target, region)
+            node._rename(node.target)
+            _name_outputs(node)
+            self.regions.append(region.signature)
+        graph_module.graph.lint()
+        graph_module.recompile()
+        return PassResult(graph_module, True)
+
+    def summary(self) -> dict[str, int]:
+        return {"regions": len(self.regions), "distinct_regions": len(set(self.regions))}
+
+
+def _name_outputs(call: Node) -> None:
+    """``fused_3_out1 = fused_3[1]`` right after the call: the same code on every rewrite."""
+    anchor = call
+    for user in sorted(call.users, key=lambda u: u.args[1] if u.target is operator.getitem
+                       else -1):
+        if user.target is operator.getitem:
+            user._rename(f"{call.name}_out{user.args[1]}")
+            anchor.append(user)
+            anchor = user
+
+
+class UnfuseRegions(PassBase):
+    """``FusedRegion`` calls → their ops inlined back (a second rewrite sees the flat graph)."""
+
+    def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
+        graph = graph_module.graph
+        calls = [n for n in graph.nodes if n.op == "call_module"
+                 and isinstance(graph_module.get_submodule(n.target), FusedRegion)]
+        for node in calls:
+            _inline(graph_module, node)
+        if calls:
+            graph.lint()
+            graph_module.recompile()
+        return PassResult(graph_module, bool(calls))
+
+
+def _inline(gm: torch.fx.GraphModule, call: Node) -> None:
+    region = gm.get_submodule(call.target).region
+    graph = gm.graph
+    env: dict[Node, Any] = {}
+    inputs = iter(call.args)
+    with graph.inserting_before(call):
+        for node in region.graph.nodes:
+            if node.op == "placeholder":
+                env[node] = next(inputs)
+            elif node.op == "output":
+                result = torch.fx.node.map_arg(node.args[0], env.__getitem__)
+            else:
+                env[node] = graph.node_copy(node, env.__getitem__)
+    if isinstance(result, (tuple, list)):
+        for user in list(call.users):  # getitem(call, i)
+            user.replace_all_uses_with(result[user.args[1]])
+            graph.erase_node(user)
+    else:
+        call.replace_all_uses_with(result)
+    graph.erase_node(call)
+    delattr(gm, call.target)
+
