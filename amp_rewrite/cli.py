@@ -129,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("amp-rewrite: interrupted; temporary files removed", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `amp-rewrite --list-rules | head`: the reader had enough
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return 0
     except Exception as e:  # noqa: BLE001 - last resort: one line, exit 1, no traceback
         print(f"amp-rewrite: internal error: {type(e).__name__}: {e} "
               "(rerun with -v and report it)", file=sys.stderr)

@@ -382,3 +382,17 @@ def test_external_data_round_trip(tmp_path, capsys, rng):
     feeds = dict(np.load(EXAMPLE_INPUTS))
     sess = ort.InferenceSession(str(tmp_path / "out.onnx"), providers=["CPUExecutionProvider"])
     assert np.isfinite(sess.run(None, feeds)[0]).all()
+
+
+def test_list_rules_into_a_closed_pipe_exits_quietly():
+    """`amp-rewrite --list-rules | head -1`: the reader closes the pipe; no 'internal error'."""
+    import subprocess
+    import sys
+
+    code = "import sys; from amp_rewrite.cli import main; sys.exit(main(['--list-rules']))"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()  # before the child writes anything: its first write hits EPIPE
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0, stderr
+    assert "internal error" not in stderr and "Traceback" not in stderr, stderr
