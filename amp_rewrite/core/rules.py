@@ -24,7 +24,8 @@ RULE_CLASSES = (OpClass.ALLOW, OpClass.DENY, OpClass.GRAY, OpClass.CLEAR)
 ENV_FILES = "AMP_REWRITE_RULES"
 ENV_PREFIX = "AMP_REWRITE_"
 # Variables of the package that are not rule lists (bench and tools read them).
-OTHER_ENV_VARS = frozenset({"AMP_REWRITE_CACHE", "AMP_REWRITE_MODELOPT_PYTHON"})
+OTHER_ENV_VARS = frozenset({"AMP_REWRITE_CACHE", "AMP_REWRITE_MODELOPT_PYTHON",
+                            "AMP_REWRITE_FUSED_BACKEND"})
 
 
 def env_op_list_names() -> list[str]:

@@ -116,12 +116,13 @@ def rewrite_graph(gm: torch.fx.GraphModule, *, dtype: torch.dtype | str = torch.
     device = arguments.device_type(device) or graph_device(gm)
     overlays = [default_rules_path("torch_cpu")] if device == "cpu" else []
     rule_set = load_rules("torch", extra_files=[*overlays, *listed(rules)])
+    unfused = UnfuseRegions()(gm).modified  # a second rewrite plans on the flat graph
     foreign_notes = _prepare_dtypes(gm, _TORCH_DTYPES[low], rule_set, keep_io_types, device)
     options = MixedPrecisionOptions(rule_set, _TORCH_DTYPES[low], low.max_finite,
                                     listed(keep_fp32), keep_io_types, device, autocast_floor)
     start = time.perf_counter()
     with gc_paused():
-        inlined = UnfuseRegions()(gm).modified | InlineModules()(gm).modified
+        inlined = unfused | InlineModules()(gm).modified
         # the GELU fusion keeps meta['val'] (re-propagating was 63% of GPT-2's rewrite)
         FuseTanhGelu(traced=fuse)(gm)
         fused = any([p(gm).modified for p in _pattern_passes(fuse)])

@@ -49,7 +49,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def test_mlp_100_37_1001_is_padded_with_nothing_between_its_gemms():
     x = torch.randn(4, 100)
-    gm = amp_rewrite.rewrite(mlp_100_37_1001(), (x,), pad=True)
+    # fuse=False: the ops between the GEMMs are inspected one by one, not inside a region
+    gm = amp_rewrite.rewrite(mlp_100_37_1001(), (x,), pad=True, fuse=False)
     report = gm.amp_report["padding"]
     assert [op["dims"] for op in report["ops"]] == [{"K": "100→104", "N": "37→40"},
                                                    {"K": "37→40", "N": "1001→1008"}]
@@ -98,7 +99,7 @@ def test_fp32_mode_padding_changes_outputs_by_at_most_1e_6(make, shape):
 
 def test_cnn_3_13_7_pads_channels_but_not_the_3_channel_stem():
     model, x = cnn_3_13_7(), torch.randn(2, 3, 8, 8)
-    gm = amp_rewrite.rewrite(model, (x,), pad=True)
+    gm = amp_rewrite.rewrite(model, (x,), pad=True, fuse=False)  # ops inspected one by one
     report = gm.amp_report["padding"]
     assert [op["dims"] for op in report["ops"]] == [{"Cout": "13→16"},
                                                    {"Cin": "13→16", "Cout": "7→8"}]
