@@ -2,15 +2,14 @@
 from __future__ import annotations
 
 import math
-from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from amp_rewrite.training import AmpOptimizer, LossScaler
+from tests.training._launch import gloo_group
 
 STEPS = 8
 INJECT_STEP = 3
@@ -40,11 +39,6 @@ def _run(rank: int, agree: bool | None) -> dict[str, object]:
 
 
 def worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=60))
-    try:
+    with gloo_group(rank, world_size, port):
         results = {"agreed": _run(rank, agree=None), "local": _run(rank, agree=False)}
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()

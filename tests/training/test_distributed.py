@@ -3,14 +3,11 @@ all-reduce. With agreement (the default under torch.distributed) both ranks skip
 stay identical; without it (negative control) they diverge."""
 from __future__ import annotations
 
-import multiprocessing as mp
-import socket
-from pathlib import Path
-
 import pytest
 import torch
 
 from tests.training import _dist_worker
+from tests.training._launch import run_ranks
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
                                 reason="torch.distributed is not available")
@@ -18,36 +15,10 @@ WORLD = 2
 TIMEOUT_S = 120
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    out = tmp_path_factory.mktemp("ddp")
-    if "forkserver" in mp.get_all_start_methods():
-        # Fresh single-threaded server process that imports torch and DDP's torch._dynamo once
-        # (~10 s on 2 busy cores), then forks both workers from it: half the time of "spawn".
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload([_dist_worker.__name__, "torch._dynamo"])
-    else:
-        ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_dist_worker.worker, args=(r, WORLD, port, str(out)))
-             for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(TIMEOUT_S)
-    hung = [p for p in procs if p.is_alive()]
-    for p in hung:
-        p.kill()
-        p.join()
-    assert not hung, f"DDP workers did not finish within {TIMEOUT_S} s"
-    assert [p.exitcode for p in procs] == [0] * WORLD
-    return [torch.load(Path(out) / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
+    return run_ranks(_dist_worker, WORLD, tmp_path_factory.mktemp("ddp"), TIMEOUT_S,
+                     preload=("torch._dynamo",))
 
 
 def test_every_rank_skips_the_step_one_rank_overflowed(results: list[dict]) -> None:

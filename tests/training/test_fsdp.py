@@ -4,49 +4,21 @@ step (each checks only its shard; the LossScaler all-reduces the flag), and the 
 ends with the parameters of the same rewritten model trained unsharded on both ranks' data."""
 from __future__ import annotations
 
-import multiprocessing as mp
-import socket
-from pathlib import Path
-
 import pytest
 import torch
 
 from tests.training import _fsdp_worker
+from tests.training._launch import run_ranks
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
                                 reason="torch.distributed is not available")
 TIMEOUT_S = 180
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    out = tmp_path_factory.mktemp("fsdp")
-    if "forkserver" in mp.get_all_start_methods():
-        ctx = mp.get_context("forkserver")  # see test_distributed: one torch import, two forks
-        ctx.set_forkserver_preload([_fsdp_worker.__name__])
-    else:
-        ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_fsdp_worker.worker, args=(r, _fsdp_worker.WORLD, port, str(out)))
-             for r in range(_fsdp_worker.WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(TIMEOUT_S)
-    hung = [p for p in procs if p.is_alive()]
-    for p in hung:
-        p.kill()
-        p.join()
-    assert not hung, f"FSDP workers did not finish within {TIMEOUT_S} s"
-    assert [p.exitcode for p in procs] == [0] * _fsdp_worker.WORLD
-    return [torch.load(Path(out) / f"rank{r}.pt", weights_only=True)
-            for r in range(_fsdp_worker.WORLD)]
+    return run_ranks(_fsdp_worker, _fsdp_worker.WORLD, tmp_path_factory.mktemp("fsdp"),
+                     TIMEOUT_S)
 
 
 def test_fsdp2_ranks_skip_the_step_one_rank_overflowed(results: list[dict]) -> None:
