@@ -26,6 +26,7 @@ also on ``symbolic_trace`` graphs.
 """
 from __future__ import annotations
 
+import abc
 import math
 import numbers
 from collections.abc import Callable
@@ -210,16 +211,28 @@ class _Scores:
     masks: list[tuple[str, tuple]] = field(default_factory=list)  # ("add", (m,)) / ("fill", (m, v))
 
 
-class FuseAttention(PassBase):
-    """``softmax(q·kᵀ·scale + masks)·v`` → ``scaled_dot_product_attention`` (module docstring)."""
+class _AnchoredFusion(PassBase):
+    """A fusion that tries ``_fuse(gm, node)`` at every node calling one of ``anchors``."""
+
+    anchors: tuple = ()
 
     def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
         count = 0
         for node in list(graph_module.graph.nodes):
-            if node.graph is graph_module.graph and _is(node, aten.softmax.int,
-                                                        aten._softmax.default):
+            # a node an earlier fusion erased is no longer in the graph
+            if node.graph is graph_module.graph and _is(node, *self.anchors):
                 count += self._fuse(graph_module, node)
         return _finish(graph_module, bool(count))
+
+    @abc.abstractmethod
+    def _fuse(self, gm: torch.fx.GraphModule, anchor: Node) -> int:
+        """Rewrite the pattern rooted at ``anchor``; 1 if fused, else 0."""
+
+
+class FuseAttention(_AnchoredFusion):
+    """``softmax(q·kᵀ·scale + masks)·v`` → ``scaled_dot_product_attention`` (module docstring)."""
+
+    anchors = (aten.softmax.int, aten._softmax.default)
 
     def _fuse(self, gm: torch.fx.GraphModule, softmax: Node) -> int:
         match = _Match({softmax})
@@ -348,16 +361,10 @@ class FuseAttention(PassBase):
 _SQUARES = (aten.pow.Tensor_Scalar, aten.mul.Tensor, aten.square.default)
 
 
-class FuseNorms(PassBase):
+class FuseNorms(_AnchoredFusion):
     """Spelled-out RMSNorm → ``rms_norm``, LayerNorm → ``layer_norm`` (module docstring)."""
 
-    def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
-        count = 0
-        for node in list(graph_module.graph.nodes):
-            if node.graph is graph_module.graph and _is(node, aten.rsqrt.default,
-                                                        aten.sqrt.default):
-                count += self._fuse(graph_module, node)
-        return _finish(graph_module, bool(count))
+    anchors = (aten.rsqrt.default, aten.sqrt.default)
 
     def _fuse(self, gm: torch.fx.GraphModule, root: Node) -> int:
         """``root`` is ``rsqrt(var + eps)`` or ``sqrt(var + eps)``."""
