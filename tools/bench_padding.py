@@ -146,9 +146,9 @@ def aligned_fractions(before: PadGraph, after: PadGraph) -> tuple[float, float, 
 
 
 def _reference(proto: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
-    from onnx.reference import ReferenceEvaluator
+    from amp_rewrite.onnx.validate import reference_evaluator  # runs fused contrib ops too
 
-    return [np.asarray(o, np.float32) for o in ReferenceEvaluator(proto).run(None, feeds)]
+    return [np.asarray(o, np.float32) for o in reference_evaluator(proto).run(None, feeds)]
 
 
 def eligible_aligned(before: PadGraph, after: PadGraph,

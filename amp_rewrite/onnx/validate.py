@@ -257,11 +257,16 @@ def _first_line(e: BaseException) -> str:
 
 def reference_run(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """onnx.reference computes every op in its declared dtype: fp16 overflow shows here."""
+    names = [_text(o.name) for o in model.graph.output]
+    return dict(zip(names, reference_evaluator(model).run(None, dict(feeds))))
+
+
+def reference_evaluator(model: onnx.ModelProto):
+    """An ``onnx.reference.ReferenceEvaluator`` that also runs the contrib ops the fusion
+    step emits, with GatherElements fixed (``_reference_fixes``)."""
     from onnx.reference import ReferenceEvaluator
 
-    names = [_text(o.name) for o in model.graph.output]
-    evaluator = ReferenceEvaluator(model, new_ops=_reference_fixes())
-    return dict(zip(names, evaluator.run(None, dict(feeds))))
+    return ReferenceEvaluator(model, new_ops=_reference_fixes())
 
 
 @functools.cache
