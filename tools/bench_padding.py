@@ -223,6 +223,17 @@ def pad_slice_between_gemms_onnx(proto: onnx.ModelProto) -> int:
     return sum(1 for n in inserted if reaches(n, up) and reaches(n, down))
 
 
+def _common_columns(total: float, aligned_before: float, aligned_after: float,
+                    eligible: float, misses: list, report: dict) -> dict:
+    """The row's columns both paths compute alike: alignment and the padding report."""
+    return {"gemm_flops": total, "aligned_before": _ratio(aligned_before, total),
+            "aligned_after": _ratio(aligned_after, total), "eligible_aligned": eligible,
+            "misses": misses, "padded_ops": report["padded_ops"],
+            "extra_flop_fraction": report["extra_flop_fraction"],
+            "pads": report["pads_inserted"], "slices": report["slices_inserted"],
+            "regions": report["regions_propagated"]}
+
+
 def bench_onnx(name: str, module: nn.Module, args: tuple, dtype: str,
                policy: PadPolicy) -> dict:
     import onnxruntime as ort
@@ -247,13 +258,8 @@ def bench_onnx(name: str, module: nn.Module, args: tuple, dtype: str,
     rel = max(_rel(a, b) for a, b in zip(run(padded), run(plain)))
     report = result.report["padding"]
     again = rewrite_onnx_model(padded, dtype=dtype, pad=policy)
-    return {"path": "onnx", "model": name, "dtype": dtype, "gemm_flops": total,
-            "aligned_before": _ratio(aligned_before, total),
-            "aligned_after": _ratio(aligned_after, total), "eligible_aligned": eligible,
-            "misses": misses, "padded_ops": report["padded_ops"],
-            "extra_flop_fraction": report["extra_flop_fraction"],
-            "pads": report["pads_inserted"], "slices": report["slices_inserted"],
-            "regions": report["regions_propagated"],
+    return {"path": "onnx", "model": name, "dtype": dtype,
+            **_common_columns(total, aligned_before, aligned_after, eligible, misses, report),
             "pad_slice_between_gemms": pad_slice_between_gemms_onnx(padded),
             "max_rel_vs_unpadded": rel,
             "second_run_modified": again.pass_.modified,
@@ -333,13 +339,8 @@ def bench_torch(name: str, module: nn.Module, args: tuple, dtype: str, compile_:
     state = {k: (v.shape, v.dtype) for k, v in module.state_dict().items()}
     report = padded.amp_report["padding"]
     again = amp_rewrite.fx.rewrite_graph(copy.deepcopy(padded), dtype=torch_dtype, pad=policy)
-    row = {"path": "torch", "model": name, "dtype": dtype, "gemm_flops": total,
-           "aligned_before": _ratio(aligned_before, total),
-           "aligned_after": _ratio(aligned_after, total), "eligible_aligned": eligible,
-           "misses": misses, "padded_ops": report["padded_ops"],
-           "extra_flop_fraction": report["extra_flop_fraction"],
-           "pads": report["pads_inserted"], "slices": report["slices_inserted"],
-           "regions": report["regions_propagated"],
+    row = {"path": "torch", "model": name, "dtype": dtype,
+           **_common_columns(total, aligned_before, aligned_after, eligible, misses, report),
            "pad_slice_between_gemms": pad_slice_between_gemms_fx(padded),
            "max_rel_vs_unpadded": rel,
            "fp32_mode_max_rel": _fx_fp32_mode(module, args, policy),
