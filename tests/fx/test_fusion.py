@@ -333,21 +333,10 @@ def test_explain_names_the_fused_pattern(capsys):
 
 
 def test_digits_training_through_compiled_regions_reaches_fp32_accuracy(monkeypatch):
-    from tests.fx.test_training import LR, DigitsNet, _accuracy, _digits, _train
+    from tests.fx.test_training import LR, DigitsNet, _accuracy, _train, fp32_baseline
 
     monkeypatch.setenv(pointwise.BACKEND_ENV, "inductor")
-    x, y, x_test, y_test = _digits()
-    torch.manual_seed(0)
-    fp32 = DigitsNet()
-    initial = copy.deepcopy(fp32.state_dict())
-    adam = torch.optim.Adam(fp32.parameters(), lr=LR)
-
-    def fp32_step(loss: torch.Tensor) -> None:
-        adam.zero_grad()
-        loss.backward()
-        adam.step()
-
-    _train(fp32, fp32_step, x, y)
+    (x, y, x_test, y_test), fp32, initial = fp32_baseline()
     batch = torch.export.Dim("batch", min=1, max=4096)
     mixed = amp_rewrite.rewrite(DigitsNet(), (x[:64],), dtype=torch.bfloat16,
                                 dynamic_shapes=({0: batch},))

@@ -53,20 +53,25 @@ def _accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
         return (model(x).argmax(-1) == y).float().mean().item()
 
 
-def test_fp16_rewritten_training_matches_fp32_accuracy_within_one_point():
-    x, y, x_test, y_test = _digits()
+def fp32_baseline() -> tuple[tuple[torch.Tensor, ...], DigitsNet, dict]:
+    """The digits data, a seeded DigitsNet trained in FP32 with Adam, and its initial state."""
+    data = x, y, _, _ = _digits()
     torch.manual_seed(0)
     fp32 = DigitsNet()
     initial = copy.deepcopy(fp32.state_dict())
-
-    sgd = torch.optim.Adam(fp32.parameters(), lr=LR)
+    adam = torch.optim.Adam(fp32.parameters(), lr=LR)
 
     def fp32_step(loss: torch.Tensor) -> None:
-        sgd.zero_grad()
+        adam.zero_grad()
         loss.backward()
-        sgd.step()
+        adam.step()
 
     _train(fp32, fp32_step, x, y)
+    return data, fp32, initial
+
+
+def test_fp16_rewritten_training_matches_fp32_accuracy_within_one_point():
+    (x, y, x_test, y_test), fp32, initial = fp32_baseline()
 
     batch = torch.export.Dim("batch", min=1, max=4096)
     mixed = amp_rewrite.rewrite(DigitsNet(), (x[:BATCH],), dtype=torch.float16,
