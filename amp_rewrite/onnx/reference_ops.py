@@ -143,6 +143,8 @@ class MultiHeadAttention(OpRun):
     def _run(self, query, key=None, value=None, bias=None, key_padding_mask=None,
              attention_bias=None, past_key=None, past_value=None, *rest, num_heads=None,
              scale=None, mask_filter_value=None, unidirectional=None, **_):
+        # The fusion step emits only the 3-D, bias-free, cache-free form; other forms (from a
+        # model that already had them) are refused rather than computed wrongly.
         if key is None or value is None or query.ndim != 3 or key.ndim != 3 or value.ndim != 3:
             raise NotImplementedError("MultiHeadAttention reference: only 3-D q/k/v")
         if past_key is not None or past_value is not None or bias is not None:
@@ -171,7 +173,7 @@ class MultiHeadAttention(OpRun):
         fill = np.float32(-10000.0 if mask_filter_value is None else mask_filter_value)
         if key_padding_mask is not None:
             if key_padding_mask.ndim != 2:
-                raise NotImplementedError("MultiHeadAttention reference: 2-D key_padding_mask")
+                raise NotImplementedError("MultiHeadAttention reference: only a 2-D key_padding_mask")
             keep = key_padding_mask.astype(bool)[:, None, None, :]
             scores = np.where(keep, scores, fill)
         if unidirectional:
