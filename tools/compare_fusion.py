@@ -27,8 +27,9 @@ fuses in the FP32 model (provider-independent: such a cast keeps ORT from fusing
         [--target ort|onnx] [--seeds 4] [--out results/compare_fusion.json]
 
 Errors are measured on ``--seeds`` input draws (seed 0: the zoo's own inputs; seed s: the
-inputs ``zoo.build(name, seed=s)`` draws, same weights): the table shows the max over draws,
-the JSON also the mean (``ort_rel_mean``, ``ref_rel_mean``). ``floor``: the FP32 model's
+inputs ``zoo.build(name, seed=s)`` draws, same weights): ``*_rel`` is the max over draws of
+the max relative error, ``*_rel_mean`` its mean, ``*_rms`` the mean over draws of
+rms(error)/rms(FP32 output) (every element counts: the least noisy of the three). ``floor``: the FP32 model's
 own error when only its float inputs are rounded to fp16 (what any converter that reads the
 input in fp16 pays; a model whose floor is near the tolerance is ill-conditioned, not badly
 converted).
@@ -61,7 +62,8 @@ FUSED_KINDS = {"LayerNormalization", "RMSNormalization", "Gelu", "Attention",
                "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization"}
 FLOAT16 = onnx.TensorProto.FLOAT16
 COLUMNS = ["model", "converter", "valid", "runs_ort", "casts", "fused", "fused_lowk", "share",
-           "deny_low", "ort_rel", "ort_rel_mean", "ref_rel", "ref_rel_mean", "floor",
+           "deny_low", "ort_rel", "ort_rel_mean", "ort_rms", "ref_rel", "ref_rel_mean", "ref_rms",
+           "floor",
            "ort_fused", "splits", "note"]
 # Fused contrib ops whose kernels exist for float32 only, in every onnxruntime provider this
 # comparison is about. onnxruntime 1.31: CPU registers FusedConv/FusedGemm for float
@@ -158,15 +160,83 @@ class Draws:
     fp32_out: list[dict]
 
 
+def rms_rel(reference: dict, got: dict) -> float:
+    """Largest over float outputs of rms(got - reference) / rms(reference): every element
+    counts, so it is far less noisy across input draws than the max."""
+    worst = 0.0
+    for name, ref in reference.items():
+        if not np.issubdtype(ref.dtype, np.floating):
+            continue
+        ref64, out64 = ref.astype(np.float64), np.asarray(got[name], np.float64)
+        finite = np.isfinite(ref64) & np.isfinite(out64)
+        scale = np.sqrt(np.mean(ref64[finite] ** 2)) if finite.any() else 0.0
+        diff = np.sqrt(np.mean((out64[finite] - ref64[finite]) ** 2)) if finite.any() else 0.0
+        worst = max(worst, float(diff / max(scale, 1e-30)))
+    return worst
+
+
 def errors_over_draws(converted: onnx.ModelProto, draws: Draws,
-                      run: Callable) -> tuple[list[float], bool]:
-    """Max relative error per draw, and whether any draw had new NaN/Inf."""
-    rels, nonfinite = [], False
+                      run: Callable) -> tuple[list[float], list[float], bool]:
+    """Max relative error and rms relative error per draw, and whether any draw had new
+    NaN/Inf."""
+    rels, rms, nonfinite = [], [], False
     for feeds, reference in zip(draws.feeds, draws.fp32_out):
-        rel, bad = max_rel(reference, run(converted, validate.as_declared(converted, feeds)))
+        got = run(converted, validate.as_declared(converted, feeds))
+        rel, bad = max_rel(reference, got)
         rels.append(rel)
+        rms.append(rms_rel(reference, got))
         nonfinite |= bad
-    return rels, nonfinite
+    return rels, rms, nonfinite
+
+
+def sorted_reference_run(model: onnx.ModelProto, feeds: dict) -> dict:
+    """``validate.reference_run`` on the model with its nodes in topological order:
+    onnx.reference needs that order and ORT does not (the ORT optimizer path's fp16 graphs
+    read a cast before the node making it); the computation is the same. The ORT path's
+    ``FusedConv`` gets a kernel here too (amp_rewrite never emits it)."""
+    import onnx_ir as ir
+    from onnx.reference import ReferenceEvaluator
+
+    ir_model = ir.from_proto(model)
+    ir_model.graph.sort()
+    sorted_model = ir.to_proto(ir_model)
+    names = [o.name for o in sorted_model.graph.output]
+    evaluator = ReferenceEvaluator(sorted_model,
+                                   new_ops=[*validate._reference_fixes(), _fused_conv_kernel()])
+    return dict(zip(names, evaluator.run(None, dict(feeds))))
+
+
+def _fused_conv_kernel() -> type:
+    """onnx.reference kernel for com.microsoft FusedConv: Conv (+ Z) then the activation,
+    computed as the standard Conv in the declared dtype."""
+    from onnx.reference.op_run import OpRun
+    from onnx.reference.ops.op_conv import _conv_implementation
+
+    activations = {
+        "Relu": lambda y, p: np.maximum(y, 0),
+        "Clip": lambda y, p: np.clip(y, p[0], p[1]),
+        "LeakyRelu": lambda y, p: np.where(y >= 0, y, y * p[0]),
+        "Sigmoid": lambda y, p: 1 / (1 + np.exp(-y)),
+        "Tanh": lambda y, p: np.tanh(y),
+    }
+
+    class FusedConv(OpRun):
+        op_domain = "com.microsoft"
+
+        def _run(self, X, W, B=None, Z=None, activation=None, activation_params=None,
+                 auto_pad=None, dilations=None, group=None, kernel_shape=None, pads=None,
+                 strides=None):
+            y = _conv_implementation(X, W, B, auto_pad, dilations, group, kernel_shape, pads,
+                                     strides).astype(X.dtype)
+            if Z is not None:
+                y = (y + Z).astype(X.dtype)
+            if activation:
+                params = [X.dtype.type(v) for v in (activation_params or [])]
+                y = activations[activation.decode() if isinstance(activation, bytes)
+                                else activation](y, params).astype(X.dtype)
+            return (y,)
+
+    return FusedConv
 
 
 def evaluate(draws: Draws, converted: onnx.ModelProto, deny: set[str],
@@ -181,14 +251,15 @@ def evaluate(draws: Draws, converted: onnx.ModelProto, deny: set[str],
     checker = corpus._checker_error(converted)
     if checker:
         failures.append(f"checker: {checker}")
-    for key, run in (("ort_rel", validate.run), ("ref_rel", validate.reference_run)):
+    for key, run in (("ort_rel", validate.run), ("ref_rel", sorted_reference_run)):
         try:
-            rels, nonfinite = errors_over_draws(converted, draws, run)
+            rels, rms, nonfinite = errors_over_draws(converted, draws, run)
         except Exception as e:  # a failed run is a finding, reported per converter
-            row[key] = row[f"{key}_mean"] = None
+            row[key] = row[f"{key}_mean"] = row[key.replace("_rel", "_rms")] = None
             failures.append(f"{key}: {corpus.first_line(e)[:80]}")
             continue
         row[key], row[f"{key}_mean"] = max(rels), float(np.mean(rels))
+        row[key.replace("_rel", "_rms")] = float(np.mean(rms))
         if nonfinite or not row[key] <= TOLERANCE:
             failures.append(f"{key}: {'new NaN/Inf' if nonfinite else f'{row[key]:.3g} > {TOLERANCE}'}")
     row["runs_ort"] = row["ort_rel"] is not None
@@ -348,13 +419,12 @@ def _misses(ours: dict, ortp: dict | None, mo: dict | None, fp32: dict) -> list[
         for key in ("ort_rel", "ref_rel"):
             if not peer or peer.get(key) is None:
                 continue
-            worse = [s for s in ("max", "mean")
-                     if (ours[key + ("_mean" if s == "mean" else "")] or 0)
-                     > (peer[key + ("_mean" if s == "mean" else "")] or 0)]
+            stats = {"max": key, "mean": key + "_mean", "rms": key.replace("_rel", "_rms")}
+            worse = [s for s, k in stats.items() if (ours[k] or 0) > (peer[k] or 0)]
             if worse:
-                misses.append(f"{key} ({'/'.join(worse)}) {ours[key]:.2g}/"
-                              f"{ours[key + '_mean']:.2g} > {peer['converter']} "
-                              f"{peer[key]:.2g}/{peer[key + '_mean']:.2g}")
+                misses.append(f"{key[:3]} {'/'.join(worse)} worse than {peer['converter']}: "
+                              + ", ".join(f"{ours[stats[s]]:.2g} > {peer[stats[s]]:.2g}"
+                                          for s in worse))
     if ours["splits"]:
         misses.append(f"{ours['splits']} casts split chains ORT fuses in FP32")
     if (ours["ort_fused"] or 0) < (fp32["ort_fused"] or 0):
@@ -362,6 +432,54 @@ def _misses(ours: dict, ortp: dict | None, mo: dict | None, fp32: dict) -> list[
         misses.append(f"ORT-CPU session fuses {ours['ort_fused']} < FP32's {fp32['ort_fused']}"
                       + (f" (>= ORT optimizer's fp16 {ortp['ort_fused']})" if same else ""))
     return misses
+
+
+MARKDOWN = [  # (header, row key, converters shown: amp_rewrite, nofuse, ORT optimizer, ModelOpt)
+    ("casts ours / nofuse / ORT-opt / ModelOpt", "casts", 4),
+    ("fused ours / ORT-opt [with a kernel in its dtype] (FP32 input)", "fused", 0),
+    ("share ours / ModelOpt", "share", 2),
+    ("deny low ours / ModelOpt", "deny_low", 2),
+    ("ORT max rel, max over draws: ours / nofuse / ORT-opt / ModelOpt", "ort_rel", 4),
+    ("ORT rms rel: ours / nofuse / ORT-opt / ModelOpt", "ort_rms", 4),
+    ("reference max rel: ours / nofuse / ORT-opt / ModelOpt", "ref_rel", 4),
+    ("reference rms rel: ours / nofuse / ORT-opt / ModelOpt", "ref_rms", 4),
+    ("fp16-input floor", "floor", 1),
+    ("ORT-CPU session fused: FP32 / ours / ORT-opt", "ort_fused", 3),
+    ("runs in ORT / valid: ours / ORT-opt (type) / ModelOpt", "valid", 0),
+]
+
+
+def markdown(rows: list[dict]) -> str:
+    """One line per model, the converters side by side."""
+    lines = ["| model | " + " | ".join(h for h, _, _ in MARKDOWN) + " |",
+             "|---" * (len(MARKDOWN) + 1) + "|"]
+    for name in dict.fromkeys(r["model"] for r in rows):
+        by = {r["converter"]: r for r in rows if r["model"] == name}
+        get = lambda conv, key: fmt(by.get(conv, {}).get(key))  # noqa: E731
+        ortp = by.get("ort_optimizer", {})
+        cells = []
+        for _, key, n in MARKDOWN:
+            convs = ["amp_rewrite", "amp_rewrite_nofuse", "ort_optimizer", "modelopt"][:n]
+            if key == "share" or key == "deny_low":
+                convs = ["amp_rewrite", "modelopt"]
+            elif key == "floor":
+                convs = ["fp32"]
+            elif key == "ort_fused":
+                convs = ["fp32", "amp_rewrite", "ort_optimizer"]
+            if key == "fused":
+                cells.append(f"{get('amp_rewrite', 'fused')} / {get('ort_optimizer', 'fused')} "
+                             f"[{get('ort_optimizer', 'fused_lowk')}] ({get('fp32', 'fused')})")
+            elif key == "valid":
+                model_type = ortp.get("note", "").split(" ")[0].replace("model_type=", "")
+                cells.append(" / ".join(
+                    f"{'runs' if by.get(c, {}).get('runs_ort') else 'fails'}, "
+                    f"{'valid' if by.get(c, {}).get('valid') else 'invalid'}"
+                    + (f" ({model_type})" if c == "ort_optimizer" else "")
+                    for c in ("amp_rewrite", "ort_optimizer", "modelopt")))
+            else:
+                cells.append(" / ".join(get(c, key) for c in convs))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -372,6 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", choices=["ort", "onnx"], default="ort",
                    help="amp_rewrite's fusion target")
     p.add_argument("--seeds", type=int, default=4, help="input draws per model (default 4)")
+    p.add_argument("--markdown", type=Path, help="also write the side-by-side table here")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     warnings.simplefilter("ignore")
@@ -386,6 +505,10 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for name, misses in missed.items():
         print(f"{name:16} {'all targets met' if not misses else '; '.join(misses)}")
+    if args.markdown:
+        args.markdown.write_text(markdown(rows) + "\n\n" + "\n".join(
+            f"* {name}: {'all targets met' if not m else '; '.join(m)}"
+            for name, m in missed.items()) + "\n")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"rows": rows, "targets_missed": missed}, indent=1,
                                    default=str))
