@@ -226,8 +226,11 @@ def _fused_conv_kernel() -> type:
         def _run(self, X, W, B=None, Z=None, activation=None, activation_params=None,
                  auto_pad=None, dilations=None, group=None, kernel_shape=None, pads=None,
                  strides=None):
-            y = _conv_implementation(X, W, B, auto_pad, dilations, group, kernel_shape, pads,
-                                     strides).astype(X.dtype)
+            spatial = W.ndim - 2  # the attribute defaults of Conv
+            y = _conv_implementation(
+                X, W, B, auto_pad or "NOTSET", dilations or [1] * spatial, group or 1,
+                kernel_shape or list(W.shape[2:]), pads or [0] * 2 * spatial,
+                strides or [1] * spatial).astype(X.dtype)
             if Z is not None:
                 y = (y + Z).astype(X.dtype)
             if activation:
