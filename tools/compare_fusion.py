@@ -29,10 +29,13 @@ fuses in the FP32 model (provider-independent: such a cast keeps ORT from fusing
 Errors are measured on ``--seeds`` input draws (seed 0: the zoo's own inputs; seed s: the
 inputs ``zoo.build(name, seed=s)`` draws, same weights): ``*_rel`` is the max over draws of
 the max relative error, ``*_rel_mean`` its mean, ``*_rms`` the mean over draws of
-rms(error)/rms(FP32 output) (every element counts: the least noisy of the three). ``floor``: the FP32 model's
-own error when only its float inputs are rounded to fp16 (what any converter that reads the
-input in fp16 pays; a model whose floor is near the tolerance is ill-conditioned, not badly
-converted).
+rms(error)/rms(FP32 output) (every element counts: the least noisy of the three). ``floor`` / ``wfloor``: the FP32
+model's own max relative error when only its float inputs / only its float weights are
+rounded to fp16 and everything is computed in float32 (what any converter that reads the
+input / stores the weights in fp16 pays at least; a model whose floor is near the tolerance
+is ill-conditioned, not badly converted). A converter is ``worse`` than a peer on an error
+only if the paired per-draw differences say so: mean difference > 2 standard errors and
+> 1% of the peer's mean (``significantly_worse``).
 """
 from __future__ import annotations
 
@@ -63,7 +66,7 @@ FUSED_KINDS = {"LayerNormalization", "RMSNormalization", "Gelu", "Attention",
 FLOAT16 = onnx.TensorProto.FLOAT16
 COLUMNS = ["model", "converter", "valid", "runs_ort", "casts", "fused", "fused_lowk", "share",
            "deny_low", "ort_rel", "ort_rel_mean", "ort_rms", "ref_rel", "ref_rel_mean", "ref_rms",
-           "floor",
+           "floor", "wfloor",
            "ort_fused", "splits", "note"]
 # Fused contrib ops whose kernels exist for float32 only, in every onnxruntime provider this
 # comparison is about. onnxruntime 1.31: CPU registers FusedConv/FusedGemm for float
@@ -263,6 +266,7 @@ def evaluate(draws: Draws, converted: onnx.ModelProto, deny: set[str],
             continue
         row[key], row[f"{key}_mean"] = max(rels), float(np.mean(rels))
         row[key.replace("_rel", "_rms")] = float(np.mean(rms))
+        row[f"{key}_draws"], row[key.replace("_rel", "_rms") + "_draws"] = rels, rms
         if nonfinite or not row[key] <= TOLERANCE:
             failures.append(f"{key}: {'new NaN/Inf' if nonfinite else f'{row[key]:.3g} > {TOLERANCE}'}")
     row["runs_ort"] = row["ort_rel"] is not None
@@ -335,10 +339,27 @@ def input_draws(name: str, path: Path, fp32: onnx.ModelProto, seeds: int) -> Dra
 
 def input_rounding_floor(fp32: onnx.ModelProto, draws: Draws) -> float:
     """The FP32 model's max relative error when only its float inputs are rounded to fp16."""
-    rounded = [{k: v.astype(np.float16).astype(v.dtype) if v.dtype == np.float32 else v
-                for k, v in f.items()} for f in draws.feeds]
+    rounded = [{k: _rounded(v) for k, v in f.items()} for f in draws.feeds]
     return max(max_rel(ref, validate.run(fp32, f))[0]
                for f, ref in zip(rounded, draws.fp32_out))
+
+
+def weight_rounding_floor(fp32: onnx.ModelProto, draws: Draws) -> float:
+    """The FP32 model's max relative error when only its float32 initializers are rounded
+    to fp16 (and back: the arithmetic stays float32)."""
+    from onnx import numpy_helper
+
+    rounded = onnx.ModelProto.FromString(fp32.SerializeToString())
+    for tensor in rounded.graph.initializer:
+        if tensor.data_type == onnx.TensorProto.FLOAT:
+            tensor.CopyFrom(numpy_helper.from_array(_rounded(numpy_helper.to_array(tensor)),
+                                                    tensor.name))
+    return max(max_rel(ref, validate.run(rounded, f))[0]
+               for f, ref in zip(draws.feeds, draws.fp32_out))
+
+
+def _rounded(array: np.ndarray) -> np.ndarray:
+    return array.astype(np.float16).astype(array.dtype) if array.dtype == np.float32 else array
 
 
 def compare_model(name: str, chosen: dict, deny: set[str], opset: int | None,
@@ -351,7 +372,8 @@ def compare_model(name: str, chosen: dict, deny: set[str], opset: int | None,
     rows = [dict(base, converter="fp32", valid=True, runs_ort=True,
                  casts=corpus.count_casts(fp32), fused=fused_ops(fp32),
                  fused_lowk=fused_ops(fp32), share=0.0, deny_low=0, ort_rel=0.0, ref_rel=None,
-                 floor=input_rounding_floor(fp32, draws), ort_fused=ort_session_fused(fp32),
+                 floor=input_rounding_floor(fp32, draws),
+                 wfloor=weight_rounding_floor(fp32, draws), ort_fused=ort_session_fused(fp32),
                  note="input")]
     for conv_name, convert in chosen.items():
         start = time.perf_counter()
@@ -405,6 +427,16 @@ def targets(rows: list[dict]) -> dict[str, list[str]]:
     return missed
 
 
+def significantly_worse(ours: list[float] | None, peer: list[float] | None) -> bool:
+    """Paired over the same input draws: is ours' error larger by more than noise (mean
+    difference above 2 standard errors and above 1% of the peer's mean)?"""
+    if not ours or not peer or len(ours) != len(peer):
+        return False
+    diff = np.asarray(ours) - np.asarray(peer)
+    spread = 2 * diff.std(ddof=1) / np.sqrt(len(diff)) if len(diff) > 1 else 0.0
+    return bool(diff.mean() > max(spread, 0.01 * np.mean(peer)))
+
+
 def _misses(ours: dict, ortp: dict | None, mo: dict | None, fp32: dict) -> list[str]:
     misses = []
     if ortp and ortp.get("runs_ort") and ours["casts"] > ortp["casts"]:
@@ -422,12 +454,12 @@ def _misses(ours: dict, ortp: dict | None, mo: dict | None, fp32: dict) -> list[
         for key in ("ort_rel", "ref_rel"):
             if not peer or peer.get(key) is None:
                 continue
-            stats = {"max": key, "mean": key + "_mean", "rms": key.replace("_rel", "_rms")}
-            worse = [s for s, k in stats.items() if (ours[k] or 0) > (peer[k] or 0)]
-            if worse:
-                misses.append(f"{key[:3]} {'/'.join(worse)} worse than {peer['converter']}: "
-                              + ", ".join(f"{ours[stats[s]]:.2g} > {peer[stats[s]]:.2g}"
-                                          for s in worse))
+            for label, draws in (("max rel", key + "_draws"),
+                                 ("rms rel", key.replace("_rel", "_rms") + "_draws")):
+                if significantly_worse(ours.get(draws), peer.get(draws)):
+                    misses.append(f"{key[:3]} {label} worse than {peer['converter']}: "
+                                  f"mean {np.mean(ours[draws]):.2g} > "
+                                  f"{np.mean(peer[draws]):.2g}")
     if ours["splits"]:
         misses.append(f"{ours['splits']} casts split chains ORT fuses in FP32")
     if (ours["ort_fused"] or 0) < (fp32["ort_fused"] or 0):
@@ -446,7 +478,7 @@ MARKDOWN = [  # (header, row key, converters shown: amp_rewrite, nofuse, ORT opt
     ("ORT rms rel: ours / nofuse / ORT-opt / ModelOpt", "ort_rms", 4),
     ("reference max rel: ours / nofuse / ORT-opt / ModelOpt", "ref_rel", 4),
     ("reference rms rel: ours / nofuse / ORT-opt / ModelOpt", "ref_rms", 4),
-    ("fp16-input floor", "floor", 1),
+    ("floor: fp16 inputs / fp16 weights", "floor", 1),
     ("ORT-CPU session fused: FP32 / ours / ORT-opt", "ort_fused", 3),
     ("runs in ORT / valid: ours / ORT-opt (type) / ModelOpt", "valid", 0),
 ]
@@ -466,7 +498,8 @@ def markdown(rows: list[dict]) -> str:
             if key == "share" or key == "deny_low":
                 convs = ["amp_rewrite", "modelopt"]
             elif key == "floor":
-                convs = ["fp32"]
+                cells.append(f"{get('fp32', 'floor')} / {get('fp32', 'wfloor')}")
+                continue
             elif key == "ort_fused":
                 convs = ["fp32", "amp_rewrite", "ort_optimizer"]
             if key == "fused":
