@@ -202,3 +202,14 @@ def test_fused_conv_reference_kernel_equals_conv_then_relu(compare_fusion):
     spelled = validate.reference_run(_conv_relu(False, TensorProto.FLOAT16), {"x": x})
     assert fused["y"].dtype == np.float16 and (fused["y"] == 0).any()
     np.testing.assert_array_equal(fused["y"], spelled["y"])
+
+
+def test_errors_differing_by_seed_noise_are_not_called_worse(compare_fusion):
+    """The comparison's paired test: draw-to-draw noise either way is a tie, a consistent
+    excess is not."""
+    rng = np.random.default_rng(3)
+    peer = list(1e-3 * (1 + 0.3 * rng.standard_normal(12)))
+    noisy = [p * (1 + 0.05 * s) for p, s in zip(peer, rng.standard_normal(12))]
+    assert not compare_fusion.significantly_worse(noisy, peer)
+    assert compare_fusion.significantly_worse([p * 1.2 for p in peer], peer)
+    assert not compare_fusion.significantly_worse([p * 0.8 for p in peer], peer)
