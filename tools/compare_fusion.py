@@ -6,15 +6,16 @@ On the zoo architectures (torch.onnx dynamo exports, random weights), fp16, one 
   same with ``fuse=False`` (the plan on the spelled-out graph);
 * ``ort_optimizer``: ``onnxruntime.transformers.optimizer.optimize_model(path, model_type=T)``
   then ``.convert_float_to_float16(keep_io_types=True)``, for every model type in
-  ``ORT_MODEL_TYPES``; the best valid result per model is kept (most fused ops, then fewest
-  casts, then smallest error) and its model type printed;
+  ``ORT_MODEL_TYPES``; the best valid result per model is kept (most fused ops with a kernel,
+  then most fused ops, then fewest casts, then smallest error) and its model type printed;
 * ``modelopt``: NVIDIA ModelOpt AutoCast (``amp_rewrite.bench.peers``; its own venv through
   ``AMP_REWRITE_MODELOPT_PYTHON``).
 
 Per model and converter: casts, fused ops (nodes of the fused kinds in the output), share of
 values in low precision (by count), deny-class ops left in fp16, max relative error vs the
 FP32 model under onnxruntime and under onnx.reference (true fp16 rounding; the contrib ops run
-on ``amp_rewrite.onnx.reference_ops``), validity (checker, ORT, both errors ≤ 1e-2, no new
+on ``amp_rewrite.onnx.reference_ops``, FusedConv on a kernel here; nodes sorted first),
+validity (checker, ORT, both errors ≤ 1e-2, no new
 NaN/Inf), ``runs_ort``: whether an onnxruntime CPU session loads and runs it, and
 ``fused_lowk``: its fused ops less those run in a dtype for which no onnxruntime provider has
 a kernel (``FLOAT_ONLY_KERNELS``: an fp16 ``FusedConv`` is a fusion in name only), and
@@ -24,16 +25,16 @@ a kernel (``FLOAT_ONLY_KERNELS``: an fp16 ``FusedConv`` is a fusion in name only
 fuses in the FP32 model (provider-independent: such a cast keeps ORT from fusing the chain).
 
     AMP_REWRITE_CACHE=... python tools/compare_fusion.py [--names bert t5] [--opset 23]
-        [--target ort|onnx] [--seeds 4] [--out results/compare_fusion.json]
+        [--target ort|onnx] [--seeds 4] [--out results/compare_fusion.json] [--markdown F]
 
 Errors are measured on ``--seeds`` input draws (seed 0: the zoo's own inputs; seed s: the
 inputs ``zoo.build(name, seed=s)`` draws, same weights): ``*_rel`` is the max over draws of
 the max relative error, ``*_rel_mean`` its mean, ``*_rms`` the mean over draws of
-rms(error)/rms(FP32 output) (every element counts: the least noisy of the three). ``floor`` / ``wfloor``: the FP32
-model's own max relative error when only its float inputs / only its float weights are
-rounded to fp16 and everything is computed in float32 (what any converter that reads the
-input / stores the weights in fp16 pays at least; a model whose floor is near the tolerance
-is ill-conditioned, not badly converted). A converter is ``worse`` than a peer on an error
+rms(error)/rms(FP32 output) (every element counts: the least noisy of the three).
+``floor`` / ``wfloor``: the FP32 model's own max relative error when only its float inputs /
+only its float weights are rounded to fp16 and everything is computed in float32 (what any
+converter that reads the input / stores the weights in fp16 pays at least; a model whose
+floor is near the tolerance is ill-conditioned, not badly converted). A converter is ``worse`` than a peer on an error
 only if the paired per-draw differences say so: mean difference > 2 standard errors and
 > 1% of the peer's mean (``significantly_worse``).
 """
@@ -268,7 +269,8 @@ def evaluate(draws: Draws, converted: onnx.ModelProto, deny: set[str],
         row[key.replace("_rel", "_rms")] = float(np.mean(rms))
         row[f"{key}_draws"], row[key.replace("_rel", "_rms") + "_draws"] = rels, rms
         if nonfinite or not row[key] <= TOLERANCE:
-            failures.append(f"{key}: {'new NaN/Inf' if nonfinite else f'{row[key]:.3g} > {TOLERANCE}'}")
+            why = "new NaN/Inf" if nonfinite else f"{row[key]:.3g} > {TOLERANCE}"
+            failures.append(f"{key}: {why}")
     row["runs_ort"] = row["ort_rel"] is not None
     row["valid"] = not failures
     row["note"] = failures[0][:70] if failures else ""
