@@ -34,9 +34,9 @@ rms(error)/rms(FP32 output) (every element counts: the least noisy of the three)
 ``floor`` / ``wfloor``: the FP32 model's own max relative error when only its float inputs /
 only its float weights are rounded to fp16 and everything is computed in float32 (what any
 converter that reads the input / stores the weights in fp16 pays at least; a model whose
-floor is near the tolerance is ill-conditioned, not badly converted). A converter is ``worse`` than a peer on an error
-only if the paired per-draw differences say so: mean difference > 2 standard errors and
-> 1% of the peer's mean (``significantly_worse``).
+floor is near the tolerance is ill-conditioned, not badly converted). A converter is
+``worse`` than a peer on an error only if the paired per-draw differences say so: mean
+difference > 2 standard errors and > 1% of the peer's mean (``significantly_worse``).
 """
 from __future__ import annotations
 
