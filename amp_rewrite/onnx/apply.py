@@ -168,12 +168,59 @@ def _convert(array: np.ndarray, target: ir.DataType) -> tuple[np.ndarray, int]:
 
 
 def _convert_sources(view: OnnxView, plan: PrecisionPlan, low_ir, stats: ApplyStats) -> None:
-    for key, (g, value, node) in view.sources.items():
-        if plan.precision(key) is Precision.LOW and value.dtype != low_ir:
-            if value.const_value is not None or node is not None:
-                _convert_constant_in_place(view, value, node, low_ir, stats)
-            else:  # a main-graph input with keep_io_types off
-                value.dtype = low_ir
+    low = [(value, node) for key, (g, value, node) in view.sources.items()
+           if plan.precision(key) is Precision.LOW and value.dtype != low_ir]
+    converted = _small_initializers_converted(low, low_ir)
+    for value, node in low:
+        if value in converted:
+            _count_conversion(value, value.const_value, 0, stats)
+            value.const_value = converted[value]
+            value.dtype = low_ir
+        elif value.const_value is not None or node is not None:
+            _convert_constant_in_place(view, value, node, low_ir, stats)
+        else:  # a main-graph input with keep_io_types off
+            value.dtype = low_ir
+
+
+def _small_initializers_converted(sources: list[tuple[ir.Value, ir.Node | None]],
+                                  low_ir: ir.DataType) -> dict[ir.Value, ir.TensorProtocol]:
+    """Small float32 initializers stored as raw bytes, converted in one numpy call over
+    their joined bytes: one call per tensor cost ~40 µs, 0.8 s for the 20k weights of a
+    50k-node chain. Each result is what ``_convert`` + ``_stored_tensor`` give it alone (an
+    elementwise conversion). Empty where any value overflows: those are clamped and counted
+    tensor by tensor (``_convert``)."""
+    batch = [(value, raw) for value, node in sources if node is None
+             and (raw := _small_float32_bytes(value.const_value)) is not None]
+    if not batch:
+        return {}
+    flat = np.frombuffer(b"".join(raw for _, raw in batch), "<f4")
+    if low_ir == ir.DataType.FLOAT16:
+        low, overflowed = convert.to_float16(flat)
+    else:
+        low = flat.astype(ml_dtypes.bfloat16)
+        overflowed = convert.has_inf(low)
+    if overflowed:
+        return {}
+    data, start, converted = low.tobytes(), 0, {}
+    for value, raw in batch:
+        end = start + len(raw) // 2
+        converted[value] = ir.serde.TensorProtoTensor(onnx.TensorProto(
+            name=value.name, dims=value.const_value.raw.dims, raw_data=data[start:end],
+            data_type=int(low_ir)))
+        start = end
+    return converted
+
+
+def _small_float32_bytes(tensor) -> bytes | None:
+    """The raw little-endian bytes of a small float32 TensorProto (see ``_stored_tensor``)."""
+    if not isinstance(tensor, ir.serde.TensorProtoTensor) or sys.byteorder != "little":
+        return None
+    proto = tensor.raw
+    if (proto.data_type != onnx.TensorProto.FLOAT or not proto.raw_data
+            or proto.data_location == onnx.TensorProto.EXTERNAL):
+        return None
+    raw = proto.raw_data
+    return raw if len(raw) <= SMALL_TENSOR_BYTES and len(raw) == 4 * tensor.size else None
 
 
 def _stored_array(value: ir.Value, node: ir.Node | None) -> bool:
