@@ -171,3 +171,40 @@ def test_io_keeps_its_atomic_data_file_name(tmp_path, small_chunks):
     names = sorted(p.name for p in out.parent.iterdir())
     assert len(names) == 2 and names[0] == out.name
     assert names[1].startswith(out.name + ".") and names[1].endswith(io.DATA_SUFFIX)
+
+
+def _bias_chain(with_sentinel: bool) -> onnx.ModelProto:
+    rng = np.random.default_rng(5)
+    inits, nodes, prev = [], [], "x"
+    for i in range(12):
+        w = rng.standard_normal((8, 8)).astype(np.float32)
+        b = (rng.standard_normal(8) * 10.0 ** rng.integers(-9, 4)).astype(np.float32)
+        b[0] = [np.nan, -0.0, 65504.0, 6e-8][i % 4]
+        if with_sentinel and i == 7:
+            b[1] = -SENTINEL  # overflows: clamped to -65504, tensor by tensor
+        inits += [onh.from_array(w, f"w{i}"), onh.from_array(b, f"b{i}")]
+        nodes += [oh.make_node("MatMul", [prev, f"w{i}"], [f"m{i}"]),
+                  oh.make_node("Add", [f"m{i}", f"b{i}"], [f"h{i}"])]
+        prev = f"h{i}"
+    nodes[-1].output[0] = "y"
+    graph = oh.make_graph(nodes, "g", [oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT,
+                                                                 [2, 8])],
+                          [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 8])],
+                          inits)
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("with_sentinel", [False, True])
+def test_small_initializers_converted_together_equal_one_by_one(dtype, with_sentinel,
+                                                                monkeypatch):
+    from amp_rewrite.onnx import apply
+
+    model = _bias_chain(with_sentinel)
+    together = rewrite_onnx_model(model, dtype=dtype)
+    monkeypatch.setattr(apply, "_small_initializers_converted", lambda sources, low: {})
+    one_by_one = rewrite_onnx_model(model, dtype=dtype)
+    assert together.proto().SerializeToString(deterministic=True) == \
+        one_by_one.proto().SerializeToString(deterministic=True)
+    assert _stats(together) == _stats(one_by_one)
+    assert together.pass_.stats.constants_converted >= 20
