@@ -208,3 +208,13 @@ def test_small_initializers_converted_together_equal_one_by_one(dtype, with_sent
         one_by_one.proto().SerializeToString(deterministic=True)
     assert _stats(together) == _stats(one_by_one)
     assert together.pass_.stats.constants_converted >= 20
+
+
+def test_streamed_weights_in_memory_equal_the_written_ones(tmp_path, small_chunks):
+    """Validation and calibration serialise the model in memory (``tobytes``, the whole
+    array built chunk by chunk): the same bytes as the file."""
+    result = rewrite_onnx_model(_external_model(tmp_path))
+    in_memory = {t.name: onh.to_array(t).tobytes()
+                 for t in io.proto_with_weights(result.model).graph.initializer}
+    written, _ = _saved_weights(result, tmp_path / "out.onnx")
+    assert in_memory == written
