@@ -14,7 +14,8 @@ dropped from the cache with ``posix_fadvise(DONTNEED)`` before the step: read fr
 Times are to the end of the process (writes in the page cache, as ``cp`` leaves them); the
 ``fsync`` of what each wrote is timed apart and reported too (``*_synced``). A fixed Python
 loop (the host probe of ``bench_onnx_speed.py``) is timed before each step. Medians over the
-rounds; the files are deleted at the end unless --keep.
+rounds. Outputs are deleted after each step; the input is deleted at the end unless --keep
+(a kept input in --dir is reused by the next run instead of being built again).
 
     python tools/check_large_model.py [--gib 4] [--rounds 2] [--states warm cold]
         [--dir /tmp/amp_large] [--keep] [--out results/large_model.json]
