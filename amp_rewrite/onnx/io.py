@@ -41,9 +41,12 @@ def walk_graphs(graph: ir.Graph) -> Iterator[ir.Graph]:
     """
     yield graph
     for node in graph:
-        if not node.attributes:
+        # onnx_ir's Attributes is a UserDict: its own len() and values() go through
+        # collections.abc per item, 3x the cost of the dict it wraps (``data``).
+        attrs = getattr(node.attributes, "data", node.attributes)
+        if not attrs:
             continue
-        for attr in node.attributes.values():
+        for attr in attrs.values():
             if attr.type == ir.AttributeType.GRAPH:
                 yield from walk_graphs(attr.value)
             elif attr.type == ir.AttributeType.GRAPHS:
@@ -128,9 +131,13 @@ def _from_proto(proto: onnx.ModelProto, label: str) -> ir.Model:
         cause = e.__cause__ or e
         raise ModelError(f"{label}: unsupported ONNX content ({type(cause).__name__}: "
                          f"{_first_line(cause)}); check the exporter's output") from None
-    _scan_nodes(model, label)
-    model.meta[DESCRIBED_INITIALIZERS] = _value_info_names(proto.graph)
-    return _with_inferred_facts(model, proto)
+    graphs = list(walk_graphs(model.graph))  # one walk for the three steps
+    _scan_nodes(model, label, graphs)
+    # Without subgraphs in the IR there are none in the proto: its node walk (protobuf
+    # fields read from Python, ~0.1 s per walk at 50k nodes) is skipped.
+    nested = len(graphs) > 1
+    model.meta[DESCRIBED_INITIALIZERS] = _value_info_names(proto.graph, nested)
+    return _with_inferred_facts(model, proto, graphs)
 
 
 TORCH_SUFFIXES = (".pt", ".pth", ".ckpt")
@@ -145,14 +152,14 @@ def _text(raw: str | bytes) -> str:
     return raw.decode("utf-8", errors="backslashreplace")
 
 
-def _scan_nodes(model: ir.Model, label: str) -> None:
+def _scan_nodes(model: ir.Model, label: str, graphs: list[ir.Graph]) -> None:
     """One walk over the nodes: text fields repaired (``_repair_fields``: the pass matches
     node names against --keep-fp32 globs) and dtype attributes checked
     (``_check_type_attribute``). Value names and metadata are repaired only if serialising
     fails (``to_proto``): checking every value on every load cost more than the rare repair
     (and reading ``metadata_props`` allocates a dict per object)."""
     count = _repair_fields(model, ("producer_name", "producer_version", "domain", "doc_string"))
-    for g in walk_graphs(model.graph):
+    for g in graphs:
         count += _repair_fields(g, ("name", "doc_string"))
         for node in g:
             if type(node.name) is bytes or type(node.doc_string) is bytes:
@@ -316,9 +323,9 @@ _SUB_BYTE_TYPES = {int(d): bits for name, bits in (("INT4", 4), ("UINT4", 4), ("
                    for d in ir.DataType if d.name == name}
 
 
-def _value_info_names(graph: onnx.GraphProto) -> set[str]:
+def _value_info_names(graph: onnx.GraphProto, nested: bool = True) -> set[str]:
     names = {vi.name for vi in graph.value_info}
-    for sub in _subgraph_protos(graph):
+    for sub in _subgraph_protos(graph) if nested else ():
         names |= _value_info_names(sub)
     return names
 
@@ -330,7 +337,8 @@ def _subgraph_protos(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
             yield from (attr.g,) if attr.HasField("g") else attr.graphs
 
 
-def _with_inferred_facts(model: ir.Model, proto: onnx.ModelProto) -> ir.Model:
+def _with_inferred_facts(model: ir.Model, proto: onnx.ModelProto,
+                         graphs: list[ir.Graph]) -> ir.Model:
     """Dtypes and sizes for values the model does not describe, from ONNX shape inference.
 
     Cast costs are bytes, so values need sizes. Inference reads only initializer dims, never
@@ -339,7 +347,7 @@ def _with_inferred_facts(model: ir.Model, proto: onnx.ModelProto) -> ir.Model:
     value shapes, because parsing and re-serialising 50k inferred shapes doubled the cost of
     the onnx_ir round trip.
     """
-    undescribed = [v for g in walk_graphs(model.graph) for node in g for v in node.outputs
+    undescribed = [v for g in graphs for node in g for v in node.outputs
                    if v.name and (v.type is None or v.shape is None)]
     untyped = {v for v in undescribed if v.type is None}
     if not untyped:
@@ -350,7 +358,7 @@ def _with_inferred_facts(model: ir.Model, proto: onnx.ModelProto) -> ir.Model:
     except Exception as e:  # a partial answer is still better than none: keep going
         logger.info("shape inference failed (%s); sizes of some values unknown", _first_line(e))
         return model
-    facts = _tensor_facts(inferred.graph, {})
+    facts = _tensor_facts(inferred.graph, {}, nested=len(graphs) > 1)
     sizes = model.meta.setdefault(INFERRED_SIZES, {})
     for v in undescribed:
         fact = facts.get(v.name)
@@ -366,8 +374,8 @@ TensorFact = tuple[ir.DataType, int | None]
 _KNOWN_ELEM_TYPES = frozenset(int(d) for d in ir.DataType)  # (dtype, bytes in fp32 or None)
 
 
-def _tensor_facts(graph: onnx.GraphProto, by_type: dict[bytes, TensorFact | None]
-                  ) -> dict[str, TensorFact]:
+def _tensor_facts(graph: onnx.GraphProto, by_type: dict[bytes, TensorFact | None],
+                  nested: bool = True) -> dict[str, TensorFact]:
     """name -> fact for every inferred tensor, subgraphs included.
 
     Facts are parsed once per distinct TypeProto (``by_type``, keyed by its bytes): models
@@ -382,7 +390,7 @@ def _tensor_facts(graph: onnx.GraphProto, by_type: dict[bytes, TensorFact | None
         fact = by_type[key]
         if fact is not None:
             facts[vi.name] = fact
-    for sub in _subgraph_protos(graph):
+    for sub in _subgraph_protos(graph) if nested else ():
         facts.update(_tensor_facts(sub, by_type))
     return facts
 

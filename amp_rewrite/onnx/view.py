@@ -45,6 +45,9 @@ class OnnxView:
     wide_values: dict[ir.Value, str] = field(default_factory=dict)
     clamp_constants: bool = False
     range_problems: dict[ir.Value, str] = field(default_factory=dict)  # see _range_problems
+    # Large float32 constants seen finite and within the low dtype's range: converting them
+    # cannot overflow, so the streamed conversion skips its ±inf check (apply._streams).
+    in_range: set[ir.Value] = field(default_factory=set)
     opsets: dict[str, int] = field(default_factory=dict)  # the model's opset imports
 
 
@@ -69,7 +72,7 @@ def build_view(model: ir.Model, low: LowDtype, *, keep_io_types: bool = True,
     graphs = list(walk_graphs(model.graph)) if graphs is None else graphs
     view = OnnxView(PrecisionGraph(), low, graphs, clamp_constants=clamp_constants)
     if not clamp_constants:
-        view.range_problems = _range_problems(graphs, low)
+        view.range_problems = _range_problems(graphs, low, view.in_range)
     low_ir = to_ir_dtype(low)
     opsets = view.opsets = dict(model.opset_imports)
     inferred = model.meta.get(INFERRED_SIZES, {})
@@ -248,8 +251,10 @@ def _wide(view: OnnxView, value: ir.Value, tensor) -> str | None:
     return f"{problem}: kept fp32 with its readers (no clamp)"
 
 
-def _range_problems(graphs: list[ir.Graph], low: LowDtype) -> dict[ir.Value, str]:
-    """``range_problem`` of every float32 initializer and ``Constant(value=...)``.
+def _range_problems(graphs: list[ir.Graph], low: LowDtype,
+                    in_range: set[ir.Value]) -> dict[ir.Value, str]:
+    """``range_problem`` of every float32 initializer and ``Constant(value=...)``; large
+    ones that fit go to ``in_range``.
 
     Small tensors stored as raw bytes (biases, norm weights, most weights of a long chain)
     are screened together: one max|x| per tensor over their joined bytes, the full check
@@ -267,22 +272,35 @@ def _range_problems(graphs: list[ir.Graph], low: LowDtype) -> dict[ir.Value, str
             array = tensor.numpy()
         except Exception:  # malformed data: left to the conversion to report, as before
             continue
-        problem = range_problem(array, low)
-        if problem:
-            problems[value] = problem
+        if array.dtype == np.float32 and array.size and _fits(
+                max(float(array.max()), -float(array.min())), low):
+            in_range.add(value)
+        else:
+            problem = range_problem(array, low)
+            if problem:
+                problems[value] = problem
+        if isinstance(tensor, ir.ExternalTensor):  # unmap: its pages count in our RSS
+            del array
+            tensor.release()
     if batch:
         flat = np.frombuffer(b"".join(raw for _, raw in batch), "<f4")
         sizes = np.fromiter((len(raw) // 4 for _, raw in batch), np.int64, len(batch))
         starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
-        tops = np.maximum.reduceat(np.abs(flat), starts)
-        limit, tiny = _LIMITS[low]
-        fits = (tops <= limit) & ((tops == 0) | (tops * _SIGNIFICANT >= 4 * tiny))  # NaN: no
+        fits = _fits(np.maximum.reduceat(np.abs(flat), starts), low)
         for i in np.flatnonzero(~fits):
             value, raw = batch[i]
             problem = range_problem(np.frombuffer(raw, "<f4"), low)
             if problem:
                 problems[value] = problem
     return problems
+
+
+def _fits(top, low: LowDtype):
+    """Whether tensors whose largest magnitude is ``top`` (a float or an array of them)
+    surely fit the low dtype: finite, within its range, and not so small that significant
+    values could fall deep into its subnormals. NaN fits nothing."""
+    limit, tiny = _LIMITS[low]
+    return (top <= limit) & ((top == 0) | (top * _SIGNIFICANT >= 4 * tiny))
 
 
 def _float_constants(graphs: list[ir.Graph]):
