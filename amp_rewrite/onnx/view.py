@@ -276,7 +276,7 @@ def _range_problems(graphs: list[ir.Graph], low: LowDtype,
                 max(float(array.max()), -float(array.min())), low):
             in_range.add(value)
         else:
-            problem = range_problem(array, low)
+            problem = range_problem(array, low, addend=only_summed(value))
             if problem:
                 problems[value] = problem
         if isinstance(tensor, ir.ExternalTensor):  # unmap: its pages count in our RSS
@@ -289,10 +289,34 @@ def _range_problems(graphs: list[ir.Graph], low: LowDtype,
         fits = _fits(np.maximum.reduceat(np.abs(flat), starts), low)
         for i in np.flatnonzero(~fits):
             value, raw = batch[i]
-            problem = range_problem(np.frombuffer(raw, "<f4"), low)
+            problem = range_problem(np.frombuffer(raw, "<f4"), low, addend=only_summed(value))
             if problem:
                 problems[value] = problem
     return problems
+
+
+# Inputs whose value is only added to the op's result (a bias): (domain, op) -> ports.
+_ADDEND_PORTS = {("", "Add"): {0, 1}, ("", "Sub"): {0, 1}, ("", "Conv"): {2},
+                 ("", "ConvTranspose"): {2}, ("com.microsoft", "BiasGelu"): {1},
+                 ("com.microsoft", "FusedConv"): {2, 3},
+                 ("com.microsoft", "SkipLayerNormalization"): {3},
+                 ("com.microsoft", "SkipSimplifiedLayerNormalization"): {3}}
+
+
+def only_summed(value: ir.Value) -> bool:
+    """Whether every reader adds ``value`` into a sum (a bias), and it is no graph output.
+
+    Flushing a subnormal addend to fp16 moves the sum by at most half fp16's smallest
+    subnormal step (2**-25), no more than the low sum's own rounding, so underflow there is
+    no reason to keep the reader fp32 (folded-BatchNorm conv biases of 1e-10..1e-6 kept 17
+    MobileNetV2 convs fp32, with a cast in and out each). Gemm's C is left out: its beta
+    scales it.
+    """
+    uses = list(value.uses())
+    if not uses or value.is_graph_output():
+        return False
+    return all(idx in _ADDEND_PORTS.get((node.domain or "", node.op_type), ())
+               for node, idx in uses)
 
 
 def _fits(top, low: LowDtype):
@@ -349,12 +373,13 @@ def only_sentinels_beyond(array: np.ndarray, limit: float) -> bool:
     return bool(beyond.size) and bool((beyond == FLOAT32_SENTINEL).all())
 
 
-def range_problem(array: np.ndarray, low: LowDtype) -> str | None:
+def range_problem(array: np.ndarray, low: LowDtype, *, addend: bool = False) -> str | None:
     """Why ``array`` (float32) does not fit the low dtype, or None.
 
     It does not fit when a finite value exceeds the dtype's range (it would be clamped or
     become Inf), unless all such values are ±float32's extreme (mask sentinels), or when values significant within the tensor (within 2**-10 of its largest)
-    fall so deep into the subnormals that converting loses more than 1/8 of them.
+    fall so deep into the subnormals that converting loses more than 1/8 of them. An
+    ``addend`` (``only_summed``) is judged on its range alone: its underflow is harmless.
     """
     if array.dtype != np.float32 or array.size == 0:
         return None
@@ -368,7 +393,7 @@ def range_problem(array: np.ndarray, low: LowDtype) -> str | None:
         return f"values up to {top:.3g}, beyond {low.value}'s ±{limit:.6g}"
     if top > limit:
         return None  # the sentinels map to the low dtype's extremes (apply._convert)
-    if top == 0.0 or top * _SIGNIFICANT >= 4 * tiny:
+    if addend or top == 0.0 or top * _SIGNIFICANT >= 4 * tiny:
         return None  # every significant value converts within 1/8 of itself
     info = ml_dtypes.finfo(np.float16 if low is LowDtype.FLOAT16 else ml_dtypes.bfloat16)
     name = low.value

@@ -221,6 +221,37 @@ def test_constants_whose_significant_values_underflow_fp16_keep_readers_fp32(rng
     assert np.abs(ReferenceEvaluator(flushed).run(None, feeds)[0]).max() == 0
 
 
+def test_tiny_conv_bias_that_underflows_fp16_runs_low_since_it_is_only_added(rng):
+    from onnx import TensorProto as T
+    from onnx import helper as h
+
+    # Folded-BatchNorm biases of 1e-10..1e-6 (MobileNetV2's zoo export): a bias is only
+    # added, so its underflow moves the fp16 sum by at most 2**-25, within the sum's own
+    # rounding. The tiny *weight* beside it still keeps its reader fp32.
+    w = (rng.standard_normal((8, 3, 3, 3)) * 0.3).astype(np.float32)
+    b = (10.0 ** rng.uniform(-10, -6, 8)).astype(np.float32)
+    tiny_w = (rng.standard_normal((8, 8, 1, 1)) * 1e-8).astype(np.float32)
+    inits = [onnx.numpy_helper.from_array(a, n) for a, n in ((w, "w"), (b, "b"), (tiny_w, "tw"))]
+    graph = h.make_graph(
+        [h.make_node("Conv", ["x", "w", "b"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+         h.make_node("Relu", ["c"], ["r"], name="relu"),
+         h.make_node("Conv", ["r", "tw"], ["y"], name="tiny_conv")], "g",
+        [h.make_tensor_value_info("x", T.FLOAT, [1, 3, 8, 8])],
+        [h.make_tensor_value_info("r", T.FLOAT, [1, 8, 8, 8]),
+         h.make_tensor_value_info("y", T.FLOAT, [1, 8, 8, 8])], inits)
+    fp32 = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
+    fp32.ir_version = 8
+    mixed = rewrite_onnx(fp32)
+    stored = {i.name: i.data_type for i in mixed.graph.initializer}
+    assert stored["w"] == stored["b"] == T.FLOAT16  # the conv and its bias run low
+    assert stored["tw"] == T.FLOAT  # a tiny weight is multiplied: kept fp32 with its reader
+    feeds = {"x": rng.standard_normal((1, 3, 8, 8)).astype(np.float32)}
+    expected = ort_run(fp32, feeds)
+    for got in (ort_run(mixed, feeds), ReferenceEvaluator(mixed).run(None, feeds)):
+        assert rel_error(expected[0], got[0]) < 2e-3
+        assert rel_error(expected[1], got[1]) < 2e-3
+
+
 # --- bf16 on opsets that do not admit it ------------------------------------------------
 
 def test_bf16_on_opset13_says_rerun_with_opset22_and_opset_option_converts(rng, tmp_path,
