@@ -75,7 +75,8 @@ def pad_model(model: ir.Model, policy: PadPolicy | None = None,
         return stats
     graph = model.graph
     policy = policy or PadPolicy()
-    if not policy.pad_activation_gemms and not _misaligned_weights(graph, low, policy.multiple):
+    if not _misaligned_weights(graph, low, policy.multiple) and not (
+            policy.pad_activation_gemms and _activation_gemms(graph, low)):
         return stats  # nothing a plan could pad: skip the shape inference below
     if _needs_shapes(graph, low):
         # Loading keeps inferred dtypes and sizes, not shapes (io._with_inferred_facts); the
@@ -90,6 +91,7 @@ def pad_model(model: ir.Model, policy: PadPolicy | None = None,
 # ----------------------------------------------------------------------------- view
 
 _GEMMS = ("MatMul", "Gemm", "Conv")
+_GRAPH_OUTPUTS = "amp_rewrite.graph_outputs"  # key of the pad graph's output reader
 
 
 def _misaligned_weights(graph: ir.Graph, low: tuple[ir.DataType, ...], multiple: int) -> bool:
@@ -108,6 +110,14 @@ def _misaligned_weights(graph: ir.Graph, low: tuple[ir.DataType, ...], multiple:
                 if any(isinstance(d, int) and d % multiple for d in dims):
                     return True
     return False
+
+
+def _activation_gemms(graph: ir.Graph, low: tuple[ir.DataType, ...]) -> bool:
+    """Whether some low MatMul multiplies two activations (attention): its token dims are
+    only known after shape inference."""
+    return any(n.op_type == "MatMul" and n.domain == "" and n.outputs[0].dtype in low
+               and not any(v is not None and is_constant(v) for v in n.inputs)
+               for n in graph)
 
 
 def _needs_shapes(graph: ir.Graph, low: tuple[ir.DataType, ...]) -> bool:
@@ -139,6 +149,9 @@ def build_pad_graph(graph: ir.Graph, low: tuple[ir.DataType, ...] = _LOW) -> Pad
             if v is not None:
                 _add_value(g, v)
         g.add_op(_pad_op(node, low))
+    # the graph outputs as one opaque reader: a padded output needs its Slice (cost model)
+    outputs = tuple(v for v in graph.outputs if v in g.values)
+    g.add_op(PadOp(_GRAPH_OUTPUTS, "graph outputs", PadKind.OPAQUE, outputs, ()))
     return g
 
 
