@@ -13,7 +13,8 @@ value its padding is filled with) or ``OPAQUE`` (anything else: a barrier).
 
 Decisions, kept apart as in Inductor's ``pad_mm``:
 
-* ``can_pad`` (legality): the op runs low; the dim is a static int; the dim is not already a
+* ``can_pad`` (legality): the op runs low; the dim is known (static, or symbolic where the
+  adapter computes runtime pad amounts); the dim is not already a
   multiple; convs are ungrouped (a grouped conv with misaligned per-group channels would need
   zero channels interleaved between its groups: per group or not at all, and this plan
   chooses not at all).
@@ -34,7 +35,9 @@ Decisions, kept apart as in Inductor's ``pad_mm``:
   with the chosen dims aligned, padding any other dim costs what it cost in the first run's
   comparison, which it lost.
   Symbolic dims are estimated at their example size (``PadValue.hint``, torch) or at
-  ``symbolic_dim_size`` (ONNX), but ``can_pad`` refuses them: no runtime pad amounts yet.
+  ``symbolic_dim_size`` with the mean pad of (multiple − 1)/2 (ONNX). ``can_pad`` allows
+  them where the adapter computes runtime pad amounts (ONNX: Shape/Mod arithmetic,
+  ``plan_padding(runtime_pads=True)``); the fx adapter pads static sizes only.
   ``max_flop_ratio`` (None by default) is an optional hard cap on padded/unpadded per dim.
 
 Regions. A padded GEMM N (or conv Cout) dim makes its output *produced padded*: the new
@@ -171,9 +174,20 @@ class PadPolicy:
 
 
 class DimPad(NamedTuple):
+    """A padded dim; symbolic: ``size`` is the symbol, ``padded`` ``padded_symbol(size)``,
+    and ``est_*`` the sizes the cost model assumes (example size, or a mean pad)."""
+
     role: str  # 'K' | 'N' | 'Cin' | 'Cout'
-    size: int
-    padded: int
+    size: int | str
+    padded: int | str
+    est_size: float = 0.0
+    est_padded: float = 0.0
+
+    @property
+    def ratio(self) -> float:
+        if isinstance(self.size, int):
+            return self.padded / self.size
+        return self.est_padded / self.est_size
 
 
 class OpPadding(NamedTuple):
@@ -248,6 +262,17 @@ def round_up(size: int, multiple: int) -> int:
     return -(-size // multiple) * multiple
 
 
+def padded_symbol(symbol: str, multiple: int) -> str:
+    """The name of a symbolic dim rounded up at runtime (a multiple by construction)."""
+    return f"ceil{multiple}({symbol})"
+
+
+def is_aligned(size: Dim, multiple: int) -> bool:
+    if isinstance(size, int):
+        return size % multiple == 0
+    return isinstance(size, str) and size.startswith(f"ceil{multiple}(")
+
+
 # ----------------------------------------------------------------------------- legality
 
 
@@ -284,8 +309,13 @@ def _roles(op: PadOp) -> dict[str, tuple[tuple[Hashable, int], ...]]:
     return {names[0]: op.k_axes, names[1]: op.n_axes}
 
 
-def can_pad(graph: PadGraph, op: PadOp, role: str, multiple: int) -> str | None:
-    """None if ``role`` of ``op`` may be padded, else why not (legality only)."""
+def can_pad(graph: PadGraph, op: PadOp, role: str, multiple: int,
+            runtime_pads: bool = False) -> str | None:
+    """None if ``role`` of ``op`` may be padded, else why not (legality only).
+
+    ``runtime_pads``: the adapter can pad a symbolic dim by a runtime amount (ONNX's
+    Shape/Mod arithmetic); without it symbolic dims are not padded.
+    """
     if not op.low:
         return "runs high: only low-precision GEMMs/convs are padded"
     if op.kind is PadKind.CONV and op.groups != 1:
@@ -300,12 +330,12 @@ def can_pad(graph: PadGraph, op: PadOp, role: str, multiple: int) -> str | None:
     (size,) = dims
     if size is None:
         return f"{role} unknown"
-    if not isinstance(size, int):
-        return (f"{role} is symbolic ({size}): padding needs static sizes (no runtime pad "
-                "amounts)")
-    if size % multiple == 0:
+    if is_aligned(size, multiple):
         return f"{role}={size} already aligned"
-    return None
+    if isinstance(size, str) and not runtime_pads:
+        return (f"{role} is symbolic ({size}): this adapter pads static sizes only (no "
+                "runtime pad amounts)")
+    return None  # symbolic: a runtime pad amount, (multiple − d % multiple) % multiple
 
 
 # ----------------------------------------------------------------------------- profitability
@@ -344,7 +374,7 @@ def should_pad(graph: PadGraph, op: PadOp, candidates: Mapping[str, DimPad],
                     for r in candidates}
     cost = _Cost(graph, op, policy, slice_is_view)
     allowed = {r: d for r, d in candidates.items()
-               if policy.max_flop_ratio is None or d.padded / d.size <= policy.max_flop_ratio}
+               if policy.max_flop_ratio is None or d.ratio <= policy.max_flop_ratio}
     for role, dim in candidates.items():
         if role not in allowed:
             refused[role] = (f"{role} {dim.size}→{dim.padded} is over max_flop_ratio "
@@ -372,18 +402,19 @@ class _Cost:
                  slice_is_view: bool) -> None:
         self.graph, self.op, self.policy, self.slice_is_view = graph, op, policy, slice_is_view
         self.roles = _roles(op)
-        self.sizes = {r: _estimate_dim(graph, refs[0], policy) for r, refs in self.roles.items()}
+        self.misaligned = {r: _estimate_dim(graph, refs[0], policy)
+                           for r, refs in self.roles.items()
+                           if _maybe_misaligned(graph, refs[0], policy.multiple)}
         self.flops = _estimated_flops(graph, op, policy)
         operands = [v for v, _ in op.k_axes] + [v for v in op.outputs[:1]]
         self.operands = list(dict.fromkeys(operands))
 
     def seconds(self, pads: Mapping[str, DimPad]) -> float:
-        ratio = {r: d.padded / d.size for r, d in pads.items()}
+        ratio = {r: d.ratio for r, d in pads.items()}
         flops = self.flops * math.prod(ratio.values())
         traffic = sum(self._bytes(v) * math.prod(ratio[r] for r in ratio
                                                  if self._on(v, r)) for v in self.operands)
-        misaligned = [size for role, size in self.sizes.items()
-                      if role not in pads and size % self.policy.multiple]
+        misaligned = [size for role, size in self.misaligned.items() if role not in pads]
         copies = sum(self._copy_bytes(r, d) for r, d in pads.items())
         return self.policy.op_seconds(flops, traffic, misaligned) + \
             self.policy.copy_seconds(copies)
@@ -397,7 +428,7 @@ class _Cost:
 
     def _copy_bytes(self, role: str, dim: DimPad) -> float:
         """Traffic of the runtime Pad/Slice copies padding ``role`` needs."""
-        ratio, total = dim.padded / dim.size, 0.0
+        ratio, total = dim.ratio, 0.0
         for value, axis in self.roles[role]:
             if self.graph.is_constant(value) or self.graph.values.get(value) is None:
                 continue  # weights: padded once, or fused with their cast
@@ -416,6 +447,17 @@ def _estimate_shape(graph: PadGraph, value: Hashable, policy: PadPolicy) -> tupl
     hint = info.hint or (None,) * len(info.shape)
     return tuple(d if isinstance(d, int) else h if isinstance(h, int) else
                  policy.symbolic_dim_size for d, h in zip(info.shape, hint))
+
+
+def _maybe_misaligned(graph: PadGraph, ref: tuple[Hashable, int], multiple: int) -> bool:
+    """Static: not a multiple; symbolic: its example size is not one, or (no example)
+    7 of 8 runtime sizes are not."""
+    info = graph.values.get(ref[0])
+    size = _dim(graph, ref)
+    if isinstance(size, int) or is_aligned(size, multiple):
+        return not is_aligned(size, multiple)
+    hint = info.hint[ref[1]] if info is not None and info.hint else None
+    return not isinstance(hint, int) or hint % multiple != 0
 
 
 def _estimate_dim(graph: PadGraph, ref: tuple[Hashable, int], policy: PadPolicy) -> int:
@@ -499,20 +541,19 @@ def _padded_upstream(graph: PadGraph, value: Hashable, axis: int, size: int,
 # ----------------------------------------------------------------------------- planning
 
 
-def _plan_op(graph: PadGraph, op: PadOp, policy: PadPolicy,
-             slice_is_view: bool = False) -> OpPadding:
+def _plan_op(graph: PadGraph, op: PadOp, policy: PadPolicy, slice_is_view: bool = False,
+             runtime_pads: bool = False) -> OpPadding:
     candidates, skipped = {}, {}
     for role in _roles(op):
-        why = can_pad(graph, op, role, policy.multiple)
+        why = can_pad(graph, op, role, policy.multiple, runtime_pads)
         if why is None:
-            size = _dim(graph, _roles(op)[role][0])
-            candidates[role] = DimPad(role, size, round_up(size, policy.multiple))
+            candidates[role] = _candidate(graph, op, role, policy)
         else:
             skipped[role] = why
     chosen, refused = should_pad(graph, op, candidates, policy, slice_is_view)
     skipped.update(refused)
     flops = op_flops(graph, op) or 0
-    ratio = math.prod(d.padded / d.size for d in chosen.values())
+    ratio = math.prod(d.ratio for d in chosen.values())
     elements = _weight_elements(graph, op) or 0
     itemsize = graph.values[op.k_axes[-1][0]].itemsize if op.k_axes else 2
     dims = tuple(chosen[r] for r in _roles(op) if r in chosen)
@@ -520,6 +561,18 @@ def _plan_op(graph: PadGraph, op: PadOp, policy: PadPolicy,
     return OpPadding(op.key, op.name, dims, tuple(skipped.items()), flops,
                      round(flops * ratio), int(round(elements * (ratio - 1)) * itemsize),
                      cost.seconds({}), cost.seconds(chosen))
+
+
+def _candidate(graph: PadGraph, op: PadOp, role: str, policy: PadPolicy) -> DimPad:
+    ref = _roles(op)[role][0]
+    size, multiple = _dim(graph, ref), policy.multiple
+    if isinstance(size, int):
+        return DimPad(role, size, round_up(size, multiple), size, round_up(size, multiple))
+    est = _estimate_dim(graph, ref, policy)
+    hinted = graph.values[ref[0]].hint is not None
+    # with an example size its exact pad; without one the mean pad over runtime sizes
+    est_padded = round_up(est, multiple) if hinted else est + (multiple - 1) / 2
+    return DimPad(role, size, padded_symbol(size, multiple), est, est_padded)
 
 
 def _op_demands(op: PadOp, padding: OpPadding) -> tuple[dict, dict]:
@@ -544,8 +597,10 @@ def _normalise(pad: AxisPad, rank: int) -> AxisPad:
 class _Planner:
     """Seeds from padded GEMMs/convs, forward propagation, pruning (module docstring)."""
 
-    def __init__(self, graph: PadGraph, policy: PadPolicy, slice_is_view: bool) -> None:
+    def __init__(self, graph: PadGraph, policy: PadPolicy, slice_is_view: bool,
+                 runtime_pads: bool) -> None:
         self.graph, self.policy, self.slice_is_view = graph, policy, slice_is_view
+        self.runtime_pads = runtime_pads
         self.reads: dict[tuple[Hashable, Hashable], tuple[AxisPad, ...]] = {}
         self.produced: dict[Hashable, AxisPad] = {}
         self.ops: dict[Hashable, OpPadding] = {}
@@ -554,7 +609,8 @@ class _Planner:
         for op in self.graph.ops.values():
             if op.kind not in (PadKind.GEMM, PadKind.CONV) or not op.low:
                 continue
-            padding = _plan_op(self.graph, op, self.policy, self.slice_is_view)
+            padding = _plan_op(self.graph, op, self.policy, self.slice_is_view,
+                               self.runtime_pads)
             self.ops[op.key] = padding
             reads, produced = _op_demands(op, padding)
             for value, pads in reads.items():
@@ -644,14 +700,16 @@ class _Planner:
 
 
 def plan_padding(graph: PadGraph, policy: PadPolicy | None = None,
-                 slice_is_view: bool = False) -> PaddingPlan:
+                 slice_is_view: bool = False, runtime_pads: bool = False) -> PaddingPlan:
     """The padding plan of every low GEMM/conv in ``graph`` (module docstring).
 
     ``slice_is_view``: the adapter's slices are views (torch's ``aten.slice``), so the cost
     model charges no copy for a padded output read unpadded; ONNX's Slice is a copy.
+    ``runtime_pads``: the adapter pads symbolic dims by runtime amounts (ONNX); then an
+    ``AxisPad`` may carry a symbol as ``size`` and ``padded_symbol(size)`` as ``padded``.
     """
     policy = policy or PadPolicy()
-    planner = _Planner(graph, policy, slice_is_view)
+    planner = _Planner(graph, policy, slice_is_view, runtime_pads)
     planner.seed()
     kept = planner.prune(planner.propagate())
     return PaddingPlan(MappingProxyType(dict(planner.produced)),
