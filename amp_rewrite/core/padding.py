@@ -354,12 +354,14 @@ def _all_activation(graph: PadGraph, op: PadOp) -> bool:
 
 
 def should_pad(graph: PadGraph, op: PadOp, candidates: Mapping[str, DimPad],
-               policy: PadPolicy, slice_is_view: bool = False
+               policy: PadPolicy, slice_is_view: bool = False,
+               unpadded_n: frozenset = frozenset()
                ) -> tuple[dict[str, DimPad], dict[str, str]]:
     """Which legal dims to pad and why not the rest: the cost model's fastest subset.
 
     ``slice_is_view``: the adapter's slice at a region end is a view (torch), not a copy.
-    Subsets are tried smallest first and a larger one must be strictly faster, so ties keep
+    ``unpadded_n``: GEMMs/convs known not to pad their N/Cout, so an input they produce
+    needs a runtime Pad (``plan_padding`` iterates to the fixed point). Subsets are tried smallest first and a larger one must be strictly faster, so ties keep
     fewer dims; a second run on the output pads nothing more (module docstring).
     """
     refused: dict[str, str] = {}
@@ -372,7 +374,7 @@ def should_pad(graph: PadGraph, op: PadOp, candidates: Mapping[str, DimPad],
     if _all_activation(graph, op) and not policy.pad_activation_gemms:
         return {}, {r: "both operands are activations (pad_activation_gemms=False)"
                     for r in candidates}
-    cost = _Cost(graph, op, policy, slice_is_view)
+    cost = _Cost(graph, op, policy, slice_is_view, unpadded_n)
     allowed = {r: d for r, d in candidates.items()
                if policy.max_flop_ratio is None or d.ratio <= policy.max_flop_ratio}
     for role, dim in candidates.items():
@@ -399,8 +401,9 @@ class _Cost:
     """The cost model of one op (module docstring): roofline time plus runtime copies."""
 
     def __init__(self, graph: PadGraph, op: PadOp, policy: PadPolicy,
-                 slice_is_view: bool) -> None:
+                 slice_is_view: bool, unpadded_n: frozenset = frozenset()) -> None:
         self.graph, self.op, self.policy, self.slice_is_view = graph, op, policy, slice_is_view
+        self.unpadded_n = unpadded_n
         self.roles = _roles(op)
         self.misaligned = {r: _estimate_dim(graph, refs[0], policy)
                            for r, refs in self.roles.items()
@@ -435,7 +438,7 @@ class _Cost:
             if value in self.op.outputs:
                 if not self.slice_is_view and not _flows_into_k_reads(self.graph, value, axis):
                     total += self._bytes(value) * (ratio + 1)  # read padded, write unpadded
-            elif not _padded_upstream(self.graph, value, axis, dim.size):
+            elif not _padded_upstream(self.graph, value, axis, dim.size, self.unpadded_n):
                 total += self._bytes(value) * (1 + ratio)  # read, write padded
         return total
 
@@ -508,10 +511,11 @@ def _flows_into_k_reads(graph: PadGraph, value: Hashable, axis: int) -> bool:
     return True
 
 
-def _padded_upstream(graph: PadGraph, value: Hashable, axis: int, size: int,
-                     depth: int = 8) -> bool:
+def _padded_upstream(graph: PadGraph, value: Hashable, axis: int, size: Dim,
+                     unpadded_n: frozenset = frozenset(), depth: int = 8) -> bool:
     """Whether ``value`` is (a finite-safe pointwise function of) a GEMM/conv output whose N
-    is this dim, so a region may deliver it padded without a runtime Pad."""
+    is this dim and which is not in ``unpadded_n``, so a region may deliver it padded
+    without a runtime Pad."""
     shape = graph.shape(value)
     if shape is None or depth == 0:
         return False
@@ -520,7 +524,8 @@ def _padded_upstream(graph: PadGraph, value: Hashable, axis: int, size: int,
     if op is None:
         return False
     if op.kind in (PadKind.GEMM, PadKind.CONV):
-        return op.low and any(v == value and a % len(shape) == axis for v, a in op.n_axes)
+        return op.low and op.key not in unpadded_n and any(
+            v == value and a % len(shape) == axis for v, a in op.n_axes)
     if op.kind is not PadKind.POINTWISE or not op.finite_safe:
         return False
     found = False
@@ -531,8 +536,8 @@ def _padded_upstream(graph: PadGraph, value: Hashable, axis: int, size: int,
             continue  # broadcast along the dim
         if graph.is_constant(spec.value):
             continue
-        if in_shape[in_axis] != size or not _padded_upstream(graph, spec.value, in_axis,
-                                                              size, depth - 1):
+        if in_shape[in_axis] != size or not _padded_upstream(
+                graph, spec.value, in_axis, size, unpadded_n, depth - 1):
             return False
         found = True
     return found
@@ -542,7 +547,7 @@ def _padded_upstream(graph: PadGraph, value: Hashable, axis: int, size: int,
 
 
 def _plan_op(graph: PadGraph, op: PadOp, policy: PadPolicy, slice_is_view: bool = False,
-             runtime_pads: bool = False) -> OpPadding:
+             runtime_pads: bool = False, unpadded_n: frozenset = frozenset()) -> OpPadding:
     candidates, skipped = {}, {}
     for role in _roles(op):
         why = can_pad(graph, op, role, policy.multiple, runtime_pads)
@@ -550,14 +555,14 @@ def _plan_op(graph: PadGraph, op: PadOp, policy: PadPolicy, slice_is_view: bool 
             candidates[role] = _candidate(graph, op, role, policy)
         else:
             skipped[role] = why
-    chosen, refused = should_pad(graph, op, candidates, policy, slice_is_view)
+    chosen, refused = should_pad(graph, op, candidates, policy, slice_is_view, unpadded_n)
     skipped.update(refused)
     flops = op_flops(graph, op) or 0
     ratio = math.prod(d.ratio for d in chosen.values())
     elements = _weight_elements(graph, op) or 0
     itemsize = graph.values[op.k_axes[-1][0]].itemsize if op.k_axes else 2
     dims = tuple(chosen[r] for r in _roles(op) if r in chosen)
-    cost = _Cost(graph, op, policy, slice_is_view)
+    cost = _Cost(graph, op, policy, slice_is_view, unpadded_n)
     return OpPadding(op.key, op.name, dims, tuple(skipped.items()), flops,
                      round(flops * ratio), int(round(elements * (ratio - 1)) * itemsize),
                      cost.seconds({}), cost.seconds(chosen))
@@ -606,11 +611,24 @@ class _Planner:
         self.ops: dict[Hashable, OpPadding] = {}
 
     def seed(self) -> None:
-        for op in self.graph.ops.values():
-            if op.kind not in (PadKind.GEMM, PadKind.CONV) or not op.low:
-                continue
-            padding = _plan_op(self.graph, op, self.policy, self.slice_is_view,
-                               self.runtime_pads)
+        """Plan every low GEMM/conv. A cost counts an input as delivered padded when its
+        producer pads N; planning starts optimistic and repeats with the producers that
+        did not pad N until that set stops growing (it only grows: at most one pass per
+        GEMM/conv; an op that pads N again later only leaves its readers' copies
+        over-estimated)."""
+        gemms = [op for op in self.graph.ops.values()
+                 if op.kind in (PadKind.GEMM, PadKind.CONV) and op.low]
+        unpadded_n: frozenset = frozenset()
+        while True:
+            plans = {op.key: _plan_op(self.graph, op, self.policy, self.slice_is_view,
+                                      self.runtime_pads, unpadded_n) for op in gemms}
+            now = unpadded_n | {key for key, p in plans.items()
+                                if not any(d.role in ("N", "Cout") for d in p.dims)}
+            if now == unpadded_n:
+                break
+            unpadded_n = frozenset(now)
+        for op in gemms:
+            padding = plans[op.key]
             self.ops[op.key] = padding
             reads, produced = _op_demands(op, padding)
             for value, pads in reads.items():

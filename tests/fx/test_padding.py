@@ -95,7 +95,7 @@ def test_state_dict_keys_shapes_and_dtypes_are_unchanged():
 def test_fp32_mode_padding_changes_outputs_by_at_most_1e_6(make, shape):
     model, x = make(), torch.randn(*shape)
     gm = capture(model, (x,), None, mode="export")
-    pad = PadGemms(low=(torch.float32,))
+    pad = PadGemms(COMPUTE_BOUND, low=(torch.float32,))
     assert pad(gm).modified and pad.plan.padded_ops
     with torch.no_grad():
         assert _rel(gm(x), model(x)) <= 1e-6
