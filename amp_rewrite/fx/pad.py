@@ -15,8 +15,14 @@
 * a value produced padded but read unpadded gets one ``aten.slice`` (graph outputs keep
   their shapes).
 
-Symbolic dims are never padded (``core.padding.can_pad``). A second run finds every padded
-dim aligned and changes nothing.
+Which dims pay is the core's cost model; slices here are views, so it charges none
+(``plan_padding(slice_is_view=True)``), and symbolic dims are estimated at the example
+inputs' sizes. Symbolic dims are not padded (``can_pad`` without ``runtime_pads``): a graph
+padding by ``(8 - s % 8) % 8`` (``sym_size``/``operator.mod``, ``new_zeros`` + ``cat``; Pad
+itself rejects symbolic amounts under fake tensors) runs exactly in eager for every size,
+but ``torch.export`` of the result guards on the amount and specialises the dim to the
+example's residue mod 8 (a constraint violation for a ``Dim``), so the output would no
+longer export. A second run finds every padded dim aligned and changes nothing.
 """
 from __future__ import annotations
 

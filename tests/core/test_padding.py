@@ -471,3 +471,24 @@ def test_choosing_the_best_subset_of_dims_is_idempotent_on_the_chosen_shapes():
         y = (*y[:-1], padded.get("N", y[-1]))
         second = plan_padding(_gemm_graph(a, b, y)).ops["mm"]
         assert not second.dims, (shapes, first.dims, second.dims)
+
+
+def test_input_from_a_producer_that_refuses_n_is_charged_its_runtime_pad():
+    # h = x·W1 [512, 37] is also read by a softmax: its N pad would need a slice copy of h
+    # (refused). y = relu(h)·W2 then needs a runtime Pad of relu(h) to pad K: the cost
+    # model must charge it (fixed point over refusing producers), which refuses K too.
+    b = Builder(np.random.default_rng(11))
+    x = b.input((512, 24))
+    h = b.linear(x, 37, bias=False)
+    b.softmax(h)
+    y = b.linear(b.unary(h, "relu"), 64, bias=False)
+    plan = plan_padding(b.g)
+    assert not plan.padded_ops
+    second = plan.ops[b.g.producer[y]]
+    # hand-derived (fp16: 2 bytes): K 37→40 on relu(h) [512, 37], W2 [37, 64], y [512, 64]
+    unpadded = 2 * (512 * 37 + 37 * 64 + 512 * 64) * 1.6 / 3.35e12
+    padded = (2 * (512 * 40 + 40 * 64 + 512 * 64) + 2 * 512 * (37 + 40)) / 3.35e12
+    assert second.est_seconds == pytest.approx(unpadded)
+    assert dict(second.skipped)["K"] == (f"K 37→40: cost model {padded * 1e6:.3g} µs padded "
+                                         f"vs {unpadded * 1e6:.3g} µs unpadded")
+    assert_padded_equals_unpadded(b, [y], plan)
