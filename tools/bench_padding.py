@@ -179,9 +179,11 @@ def _reference(proto: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
 
 
 def eligible_aligned(before: PadGraph, after: PadGraph, policy: PadPolicy,
-                     slice_is_view: bool = False) -> tuple[float, list[str]]:
+                     slice_is_view: bool = False, runtime_pads: bool = False
+                     ) -> tuple[float, list[str]]:
     """Fraction of FLOPs of ops should_pad accepted whose padded dims are now aligned."""
-    plan = plan_padding(before, policy, slice_is_view=slice_is_view)
+    plan = plan_padding(before, policy, slice_is_view=slice_is_view,
+                        runtime_pads=runtime_pads)
     after_ops, _, _ = alignment(after)
     total = good = 0.0
     misses = []
@@ -194,6 +196,31 @@ def eligible_aligned(before: PadGraph, after: PadGraph, policy: PadPolicy,
         if not ok:
             misses.append(p.name)
     return (good / total if total else 1.0), misses
+
+
+_WHY = (("cost model", "cost model"), ("tiny op", "tiny"), ("grouped conv", "grouped"),
+        ("symbolic", "symbolic"), ("activations", "activation GEMMs off"),
+        ("max_flop_ratio", "cap"), ("unknown", "unknown"), ("differs", "operands differ"))
+
+
+def why_misaligned(plan_graph: PadGraph, before: PadGraph, after: PadGraph,
+                   policy: PadPolicy, **options: bool) -> dict[str, float]:
+    """FLOPs still misaligned after padding, by the reason their dims were not padded
+    (``plan_graph``: the graph the rewrite planned on; FLOPs from the concrete graphs)."""
+    plan = plan_padding(plan_graph, policy, **options)
+    reasons = {p.name: " ".join(r for _, r in p.skipped) for p in plan.ops.values()}
+    ops_before, _, _ = alignment(before)
+    ops_after, _, _ = alignment(after)
+    left: dict[str, float] = {}
+    for name, (_, _, flops, depthwise) in ops_before.items():
+        k, n = ops_after.get(name, (None, None))[:2]
+        if all(isinstance(d, int) and d % 8 == 0 for d in (k, n)):
+            continue
+        text = reasons.get(name, "")
+        why = "depthwise" if depthwise else next((c for key, c in _WHY if key in text),
+                                                 "other")
+        left[why] = left.get(why, 0.0) + flops
+    return left
 
 
 def _ratio(a: float, b: float) -> float:
@@ -292,7 +319,10 @@ def bench_onnx(name: str, module: nn.Module, args: tuple, dtype: str,
     g_before, g_after = _onnx_pad_graph(plain, feeds), _onnx_pad_graph(padded, feeds)
     flops = aligned_fractions(g_before, g_after)
     # what should_pad accepted is judged on the graph the rewrite saw (symbolic dims kept)
-    eligible, misses = eligible_aligned(_onnx_pad_graph(plain), g_after, policy)
+    eligible, misses = eligible_aligned(_onnx_pad_graph(plain), g_after, policy,
+                                        runtime_pads=True)
+    left = why_misaligned(_onnx_pad_graph(plain), g_before, g_after, policy,
+                          runtime_pads=True)
     if dtype == "bf16":  # onnxruntime's CPU provider has no bf16 Add/Pad/...: reference
         run = functools.partial(_reference, feeds=feeds)
     rel = max(_rel(a, b) for a, b in zip(run(padded), run(plain)))
@@ -300,6 +330,7 @@ def bench_onnx(name: str, module: nn.Module, args: tuple, dtype: str,
     again = rewrite_onnx_model(padded, dtype=dtype, pad=policy)
     return {"path": "onnx", "model": name, "dtype": dtype,
             **_common_columns(flops, eligible, misses, report),
+            "left_misaligned_flops": left,
             "pad_slice_between_gemms": pad_slice_between_gemms_onnx(padded),
             "max_rel_vs_unpadded": rel,
             "second_run_modified": again.pass_.modified,
@@ -368,6 +399,8 @@ def bench_torch(name: str, module: nn.Module, args: tuple, dtype: str, compile_:
     g_before, g_after = pad.build(plain.graph), pad.build(padded.graph)
     flops = aligned_fractions(concrete(g_before), concrete(g_after))  # example sizes
     eligible, misses = eligible_aligned(g_before, g_after, policy, slice_is_view=True)
+    left = why_misaligned(g_before, concrete(g_before), concrete(g_after), policy,
+                          slice_is_view=True)
     out_p, out_u = _flat(padded(*args)), _flat(plain(*args))
     rel = max(_rel(a.detach().float().numpy(), b.detach().float().numpy())
               for a, b in zip(out_p, out_u))
@@ -381,6 +414,7 @@ def bench_torch(name: str, module: nn.Module, args: tuple, dtype: str, compile_:
     again = amp_rewrite.fx.rewrite_graph(copy.deepcopy(padded), dtype=torch_dtype, pad=policy)
     row = {"path": "torch", "model": name, "dtype": dtype,
            **_common_columns(flops, eligible, misses, report),
+           "left_misaligned_flops": left,
            "pad_slice_between_gemms": pad_slice_between_gemms_fx(padded),
            "max_rel_vs_unpadded": rel,
            "fp32_mode_max_rel": _fx_fp32_mode(module, args, policy),
@@ -499,6 +533,13 @@ def _summary(rows: list[dict]) -> None:
               f"{all(math.isclose(r['eligible_aligned'], 1.0) for r in zoo_rows)}; "
               f"second run changed nothing: "
               f"{not any(r['second_run_modified'] for r in zoo_rows)}")
+        left: dict[str, float] = {}
+        for r in zoo_rows:
+            for why, flops in r["left_misaligned_flops"].items():
+                left[why] = left.get(why, 0.0) + flops
+        print(f"zoo {path}: misaligned after, share of all GEMM/conv FLOPs by reason: " +
+              ", ".join(f"{why} {_ratio(f, total):.2%}"
+                        for why, f in sorted(left.items(), key=lambda x: -x[1])))
     extra = [r for r in ok if "compile_max_rel" in r]
     for r in extra:
         print(f"{r['model']} {r['dtype']}: torch.export max rel {r['export_max_rel']:.1e}, "
