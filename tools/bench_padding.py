@@ -7,6 +7,8 @@ odd hidden size), for the ONNX and torch paths in fp16 and bf16, it prints per m
 
 * ``aligned before → after``: the fraction of low GEMM/conv FLOPs whose K and N (convs: input
   and output channels per group) are multiples of 8, without and with padding;
+* ``no-dw``: the same fraction without depthwise convs (not GEMMs, never on Tensor Cores);
+* ``est×``: the cost model's estimated time of all low GEMMs/convs, unpadded ÷ padded;
 * ``eligible``: the fraction of FLOPs of ops that ``should_pad`` accepted whose padded dims
   are aligned after the rewrite (goal 100%);
 * ``max rel``: max relative difference of the padded rewrite's outputs to the unpadded
@@ -20,6 +22,11 @@ odd hidden size), for the ONNX and torch paths in fp16 and bf16, it prints per m
 Writes JSON (``--json``). No GPU timing here: a session without a device cannot measure it.
 
     AMP_REWRITE_CACHE=/work/cache/zoo .venv/bin/python tools/bench_padding.py [--models a,b]
+        [--compute-bound]  # decide as for large shapes (memory traffic free)
+
+FLOPs and alignment are counted at the example inputs' sizes. The summary gives the zoo's
+aligned fractions (all, and without depthwise convs) and the misaligned FLOPs left by the
+reason they were not padded.
 """
 from __future__ import annotations
 
