@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "them and their readers fp32)")
     p.add_argument("--no-pad", dest="pad", action="store_false",
                    help="keep GEMM/conv dims as they are (default: pad low GEMM K/N and conv "
-                   "channels to multiples of 8)")
+                   "channels to multiples of 8 where the padding cost model says it pays)")
     p.add_argument("--target", choices=["ort", "onnx"], default="ort",
                    help="fused ops may be onnxruntime contrib ops (ort, default) or standard "
                    "ONNX ops of the model's opset only (onnx: TensorRT and other runtimes)")

@@ -7,6 +7,8 @@ odd hidden size), for the ONNX and torch paths in fp16 and bf16, it prints per m
 
 * ``aligned before → after``: the fraction of low GEMM/conv FLOPs whose K and N (convs: input
   and output channels per group) are multiples of 8, without and with padding;
+* ``no-dw``: the same fraction without depthwise convs (not GEMMs, never on Tensor Cores);
+* ``est×``: the cost model's estimated time of all low GEMMs/convs, unpadded ÷ padded;
 * ``eligible``: the fraction of FLOPs of ops that ``should_pad`` accepted whose padded dims
   are aligned after the rewrite (goal 100%);
 * ``max rel``: max relative difference of the padded rewrite's outputs to the unpadded
@@ -20,6 +22,11 @@ odd hidden size), for the ONNX and torch paths in fp16 and bf16, it prints per m
 Writes JSON (``--json``). No GPU timing here: a session without a device cannot measure it.
 
     AMP_REWRITE_CACHE=/work/cache/zoo .venv/bin/python tools/bench_padding.py [--models a,b]
+        [--compute-bound]  # decide as for large shapes (memory traffic free)
+
+FLOPs and alignment are counted at the example inputs' sizes. The summary gives the zoo's
+aligned fractions (all, and without depthwise convs) and the misaligned FLOPs left by the
+reason they were not padded.
 """
 from __future__ import annotations
 
@@ -119,30 +126,57 @@ def _dims(g: PadGraph, op: PadOp) -> tuple[int | None, int | None]:
     return dim(op.k_axes[0]), dim(op.n_axes[0])
 
 
+def concrete(g: PadGraph) -> PadGraph:
+    """``g`` with symbolic dims at their example sizes (``PadValue.hint``): FLOPs and
+    alignment are counted on the sizes the example inputs run with."""
+    out = PadGraph()
+    for value in g.values.values():
+        if value.hint is not None:
+            value = value._replace(shape=tuple(
+                h if isinstance(h, int) else d for d, h in zip(value.shape, value.hint)))
+        out.add_value(value)
+    for op in g.ops.values():
+        out.add_op(op)
+    return out
+
+
+def _depthwise(g: PadGraph, op: PadOp) -> bool:
+    """One input channel per group: not a GEMM, never on Tensor Cores."""
+    return op.kind is PadKind.CONV and op.groups > 1 and _dims(g, op)[0] == 1
+
+
 def alignment(g: PadGraph) -> tuple[dict[str, tuple], float, float]:
-    """name -> (K, N, flops) of every low GEMM/conv; total FLOPs; aligned FLOPs."""
+    """name -> (K, N, flops, depthwise) of every low GEMM/conv; total FLOPs; aligned FLOPs."""
     ops, total, aligned = {}, 0.0, 0.0
     for op in g.ops.values():
         if op.kind not in (PadKind.GEMM, PadKind.CONV) or not op.low:
             continue
         flops = op_flops(g, op) or 0
         k, n = _dims(g, op)
-        ops[op.name] = (k, n, flops)
+        ops[op.name] = (k, n, flops, _depthwise(g, op))
         total += flops
         if all(isinstance(d, int) and d % 8 == 0 for d in (k, n)):
             aligned += flops
     return ops, total, aligned
 
 
-def aligned_fractions(before: PadGraph, after: PadGraph) -> tuple[float, float, float]:
-    """Total low GEMM/conv FLOPs, and those on aligned shapes before and after padding
-    (after: each op counted with its unpadded FLOPs, matched by name)."""
+def aligned_fractions(before: PadGraph, after: PadGraph) -> dict[str, float]:
+    """Low GEMM/conv FLOPs, all and without depthwise convs, and those on aligned shapes
+    before and after padding (after: each op counted with its unpadded FLOPs, by name)."""
     ops_before, total, aligned_before = alignment(before)
     ops_after, _, _ = alignment(after)
-    aligned_after = sum(flops for name, (_, _, flops) in ops_before.items()
-                        if all(isinstance(d, int) and d % 8 == 0
-                               for d in ops_after.get(name, (None, None))[:2]))
-    return total, aligned_before, aligned_after
+
+    def aligned(name: str) -> bool:
+        return all(isinstance(d, int) and d % 8 == 0
+                   for d in ops_after.get(name, (None, None))[:2])
+
+    dense = {n: v for n, v in ops_before.items() if not v[3]}
+    return {"total": total, "before": aligned_before,
+            "after": sum(v[2] for n, v in ops_before.items() if aligned(n)),
+            "total_dense": sum(v[2] for v in dense.values()),
+            "before_dense": sum(v[2] for v in dense.values()
+                                if all(isinstance(d, int) and d % 8 == 0 for d in v[:2])),
+            "after_dense": sum(v[2] for n, v in dense.items() if aligned(n))}
 
 
 def _reference(proto: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
@@ -151,15 +185,17 @@ def _reference(proto: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
     return [np.asarray(o, np.float32) for o in reference_evaluator(proto).run(None, feeds)]
 
 
-def eligible_aligned(before: PadGraph, after: PadGraph,
-                     policy: PadPolicy) -> tuple[float, list[str]]:
+def eligible_aligned(before: PadGraph, after: PadGraph, policy: PadPolicy,
+                     slice_is_view: bool = False, runtime_pads: bool = False
+                     ) -> tuple[float, list[str]]:
     """Fraction of FLOPs of ops should_pad accepted whose padded dims are now aligned."""
-    plan = plan_padding(before, policy)
+    plan = plan_padding(before, policy, slice_is_view=slice_is_view,
+                        runtime_pads=runtime_pads)
     after_ops, _, _ = alignment(after)
     total = good = 0.0
     misses = []
     for p in plan.padded_ops:
-        k, n, _ = after_ops.get(p.name, (None, None, 0))
+        k, n, _, _ = after_ops.get(p.name, (None, None, 0, False))
         size = {"K": k, "Cin": k, "N": n, "Cout": n}
         ok = all(isinstance(size[d.role], int) and size[d.role] % 8 == 0 for d in p.dims)
         total += p.flops
@@ -167,6 +203,31 @@ def eligible_aligned(before: PadGraph, after: PadGraph,
         if not ok:
             misses.append(p.name)
     return (good / total if total else 1.0), misses
+
+
+_WHY = (("cost model", "cost model"), ("tiny op", "tiny"), ("grouped conv", "grouped"),
+        ("symbolic", "symbolic"), ("activations", "activation GEMMs off"),
+        ("max_flop_ratio", "cap"), ("unknown", "unknown"), ("differs", "operands differ"))
+
+
+def why_misaligned(plan_graph: PadGraph, before: PadGraph, after: PadGraph,
+                   policy: PadPolicy, **options: bool) -> dict[str, float]:
+    """FLOPs still misaligned after padding, by the reason their dims were not padded
+    (``plan_graph``: the graph the rewrite planned on; FLOPs from the concrete graphs)."""
+    plan = plan_padding(plan_graph, policy, **options)
+    reasons = {p.name: " ".join(r for _, r in p.skipped) for p in plan.ops.values()}
+    ops_before, _, _ = alignment(before)
+    ops_after, _, _ = alignment(after)
+    left: dict[str, float] = {}
+    for name, (_, _, flops, depthwise) in ops_before.items():
+        k, n = ops_after.get(name, (None, None))[:2]
+        if all(isinstance(d, int) and d % 8 == 0 for d in (k, n)):
+            continue
+        text = reasons.get(name, "")
+        why = "depthwise" if depthwise else next((c for key, c in _WHY if key in text),
+                                                 "other")
+        left[why] = left.get(why, 0.0) + flops
+    return left
 
 
 def _ratio(a: float, b: float) -> float:
@@ -184,8 +245,14 @@ def _rel(got: np.ndarray, want: np.ndarray) -> float:
 _ONNX_GEMMS = ("MatMul", "Gemm", "Conv")
 
 
-def _onnx_pad_graph(proto: onnx.ModelProto, low=onnx_pad._LOW) -> PadGraph:
+def _onnx_pad_graph(proto: onnx.ModelProto, feeds: dict | None = None,
+                    low=onnx_pad._LOW) -> PadGraph:
+    """The pad graph; with ``feeds``, the graph inputs take the example sizes first (FLOPs
+    and alignment are counted on the sizes the model runs with, not symbolic dims)."""
     model = ir.from_proto(proto)
+    for value in model.graph.inputs:
+        if feeds is not None and value.name in feeds:
+            value.shape = ir.Shape(feeds[value.name].shape)
     ir.passes.common.ShapeInferencePass(strict_mode=False)(model)
     return onnx_pad.build_pad_graph(model.graph, low)
 
@@ -223,11 +290,17 @@ def pad_slice_between_gemms_onnx(proto: onnx.ModelProto) -> int:
     return sum(1 for n in inserted if reaches(n, up) and reaches(n, down))
 
 
-def _common_columns(total: float, aligned_before: float, aligned_after: float,
-                    eligible: float, misses: list, report: dict) -> dict:
+def _common_columns(flops: dict[str, float], eligible: float, misses: list,
+                    report: dict) -> dict:
     """The row's columns both paths compute alike: alignment and the padding report."""
-    return {"gemm_flops": total, "aligned_before": _ratio(aligned_before, total),
-            "aligned_after": _ratio(aligned_after, total), "eligible_aligned": eligible,
+    total, dense = flops["total"], flops["total_dense"]
+    est_before = report["estimated_seconds_unpadded"]
+    return {"gemm_flops": total, "aligned_before": _ratio(flops["before"], total),
+            "aligned_after": _ratio(flops["after"], total),
+            "dense_flops": dense, "dense_aligned_before": _ratio(flops["before_dense"], dense),
+            "dense_aligned_after": _ratio(flops["after_dense"], dense),
+            "est_speedup": _ratio(est_before, report["estimated_seconds_padded"]),
+            "eligible_aligned": eligible,
             "misses": misses, "padded_ops": report["padded_ops"],
             "extra_flop_fraction": report["extra_flop_fraction"],
             "pads": report["pads_inserted"], "slices": report["slices_inserted"],
@@ -250,16 +323,21 @@ def bench_onnx(name: str, module: nn.Module, args: tuple, dtype: str,
     plain = rewrite_onnx_model(str(path), dtype=dtype, pad=False).proto()
     result = rewrite_onnx_model(str(path), dtype=dtype, pad=policy)
     padded = result.proto()
-    g_before, g_after = _onnx_pad_graph(plain), _onnx_pad_graph(padded)
-    total, aligned_before, aligned_after = aligned_fractions(g_before, g_after)
-    eligible, misses = eligible_aligned(g_before, g_after, policy)
+    g_before, g_after = _onnx_pad_graph(plain, feeds), _onnx_pad_graph(padded, feeds)
+    flops = aligned_fractions(g_before, g_after)
+    # what should_pad accepted is judged on the graph the rewrite saw (symbolic dims kept)
+    eligible, misses = eligible_aligned(_onnx_pad_graph(plain), g_after, policy,
+                                        runtime_pads=True)
+    left = why_misaligned(_onnx_pad_graph(plain), g_before, g_after, policy,
+                          runtime_pads=True)
     if dtype == "bf16":  # onnxruntime's CPU provider has no bf16 Add/Pad/...: reference
         run = functools.partial(_reference, feeds=feeds)
     rel = max(_rel(a, b) for a, b in zip(run(padded), run(plain)))
     report = result.report["padding"]
     again = rewrite_onnx_model(padded, dtype=dtype, pad=policy)
     return {"path": "onnx", "model": name, "dtype": dtype,
-            **_common_columns(total, aligned_before, aligned_after, eligible, misses, report),
+            **_common_columns(flops, eligible, misses, report),
+            "left_misaligned_flops": left,
             "pad_slice_between_gemms": pad_slice_between_gemms_onnx(padded),
             "max_rel_vs_unpadded": rel,
             "second_run_modified": again.pass_.modified,
@@ -326,8 +404,10 @@ def bench_torch(name: str, module: nn.Module, args: tuple, dtype: str, compile_:
     padded = amp_rewrite.rewrite(module, args, dtype=torch_dtype, pad=policy)
     pad = PadGemms(policy)
     g_before, g_after = pad.build(plain.graph), pad.build(padded.graph)
-    total, aligned_before, aligned_after = aligned_fractions(g_before, g_after)
-    eligible, misses = eligible_aligned(g_before, g_after, policy)
+    flops = aligned_fractions(concrete(g_before), concrete(g_after))  # example sizes
+    eligible, misses = eligible_aligned(g_before, g_after, policy, slice_is_view=True)
+    left = why_misaligned(g_before, concrete(g_before), concrete(g_after), policy,
+                          slice_is_view=True)
     out_p, out_u = _flat(padded(*args)), _flat(plain(*args))
     rel = max(_rel(a.detach().float().numpy(), b.detach().float().numpy())
               for a, b in zip(out_p, out_u))
@@ -340,7 +420,8 @@ def bench_torch(name: str, module: nn.Module, args: tuple, dtype: str, compile_:
     report = padded.amp_report["padding"]
     again = amp_rewrite.fx.rewrite_graph(copy.deepcopy(padded), dtype=torch_dtype, pad=policy)
     row = {"path": "torch", "model": name, "dtype": dtype,
-           **_common_columns(total, aligned_before, aligned_after, eligible, misses, report),
+           **_common_columns(flops, eligible, misses, report),
+           "left_misaligned_flops": left,
            "pad_slice_between_gemms": pad_slice_between_gemms_fx(padded),
            "max_rel_vs_unpadded": rel,
            "fp32_mode_max_rel": _fx_fp32_mode(module, args, policy),
@@ -381,16 +462,18 @@ def _row(r: dict) -> str:
     grad = f"{r['grad_max_rel_vs_unpadded']:.1e}" if "grad_max_rel_vs_unpadded" in r else "-"
     return (f"{r['model']:<17} {r['path']:<5} {r['dtype']:<4} {r['gemm_flops'] / 1e6:>9.1f} "
             f"{r['aligned_before']:>7.1%} → {r['aligned_after']:>7.1%} "
+            f"{r['dense_aligned_after']:>7.1%} "
             f"{r['eligible_aligned']:>7.1%} {r['padded_ops']:>4} "
-            f"{r['extra_flop_fraction']:>6.1%} {r['pads']:>3}/{r['slices']:<3} "
+            f"{r['extra_flop_fraction']:>6.1%} {r['est_speedup']:>5.2f} "
+            f"{r['pads']:>3}/{r['slices']:<3} "
             f"{r['pad_slice_between_gemms']:>4} {r['max_rel_vs_unpadded']:>8.1e} "
             f"{r['fp32_mode_max_rel']:>8.1e} {grad:>8} "
             f"{'yes' if r['second_run_modified'] else 'no':>4}")
 
 
 HEADER = (f"{'model':<17} {'path':<5} {'dt':<4} {'MFLOP':>9} {'aligned before → after':>21} "
-          f"{'elig.':>7} {'ops':>4} {'+FLOP':>6} {'P/S':>7} {'betw':>4} {'rel':>8} "
-          f"{'fp32rel':>8} {'grad':>8} {'2nd':>4}")
+          f"{'no-dw':>7} {'elig.':>7} {'ops':>4} {'+FLOP':>6} {'est×':>5} {'P/S':>7} "
+          f"{'betw':>4} {'rel':>8} {'fp32rel':>8} {'grad':>8} {'2nd':>4}")
 
 
 def main() -> int:
@@ -400,14 +483,18 @@ def main() -> int:
     parser.add_argument("--dtypes", default="fp16,bf16")
     parser.add_argument("--compile", action="store_true",
                         help="also torch.export and torch.compile the padded user modules")
-    parser.add_argument("--max-flop-ratio", type=float, default=PadPolicy.max_flop_ratio,
-                        help="should_pad's per-dim FLOP cap (3 also pads 3-channel stems)")
-    parser.add_argument("--pad-activation-gemms", action="store_true",
-                        help="also pad GEMMs of two activations (attention's token dims)")
+    parser.add_argument("--max-flop-ratio", type=float, default=None,
+                        help="optional hard cap on a dim's padded/unpadded size")
+    parser.add_argument("--no-activation-gemms", action="store_true",
+                        help="never pad GEMMs of two activations (attention's token dims)")
+    parser.add_argument("--compute-bound", action="store_true",
+                        help="cost model with free memory traffic: decide as for large, "
+                             "compute-bound shapes (the zoo's widths are tiny)")
     parser.add_argument("--json", default="padding_bench.json")
     args = parser.parse_args()
     policy = PadPolicy(max_flop_ratio=args.max_flop_ratio,
-                       pad_activation_gemms=args.pad_activation_gemms)
+                       pad_activation_gemms=not args.no_activation_gemms,
+                       memory_tbps=math.inf if args.compute_bound else PadPolicy.memory_tbps)
     logging.basicConfig(level=logging.WARNING)
     rows = []
     print(HEADER)
@@ -443,9 +530,23 @@ def _summary(rows: list[dict]) -> None:
         total = sum(r["gemm_flops"] for r in zoo_rows)
         before = sum(r["gemm_flops"] * r["aligned_before"] for r in zoo_rows)
         after = sum(r["gemm_flops"] * r["aligned_after"] for r in zoo_rows)
+        dense = sum(r["dense_flops"] for r in zoo_rows)
+        dense_before = sum(r["dense_flops"] * r["dense_aligned_before"] for r in zoo_rows)
+        dense_after = sum(r["dense_flops"] * r["dense_aligned_after"] for r in zoo_rows)
         print(f"zoo {path}: aligned GEMM/conv FLOPs {_ratio(before, total):.2%} → "
-              f"{_ratio(after, total):.2%}; eligible aligned in every row: "
-              f"{all(math.isclose(r['eligible_aligned'], 1.0) for r in zoo_rows)}")
+              f"{_ratio(after, total):.2%} (all, {total / 1e6:.1f} MFLOP); without depthwise "
+              f"convs {_ratio(dense_before, dense):.2%} → {_ratio(dense_after, dense):.2%} "
+              f"({dense / 1e6:.1f} MFLOP); eligible aligned in every row: "
+              f"{all(math.isclose(r['eligible_aligned'], 1.0) for r in zoo_rows)}; "
+              f"second run changed nothing: "
+              f"{not any(r['second_run_modified'] for r in zoo_rows)}")
+        left: dict[str, float] = {}
+        for r in zoo_rows:
+            for why, flops in r["left_misaligned_flops"].items():
+                left[why] = left.get(why, 0.0) + flops
+        print(f"zoo {path}: misaligned after, share of all GEMM/conv FLOPs by reason: " +
+              ", ".join(f"{why} {_ratio(f, total):.2%}"
+                        for why, f in sorted(left.items(), key=lambda x: -x[1])))
     extra = [r for r in ok if "compile_max_rel" in r]
     for r in extra:
         print(f"{r['model']} {r['dtype']}: torch.export max rel {r['export_max_rel']:.1e}, "

@@ -13,20 +13,32 @@ value its padding is filled with) or ``OPAQUE`` (anything else: a barrier).
 
 Decisions, kept apart as in Inductor's ``pad_mm``:
 
-* ``can_pad`` (legality): the op runs low; the dim is a static int; the dim is not already a
+* ``can_pad`` (legality): the op runs low; the dim is known (static, or symbolic where the
+  adapter computes runtime pad amounts); the dim is not already a
   multiple; convs are ungrouped (a grouped conv with misaligned per-group channels would need
   zero channels interleaved between its groups: per group or not at all, and this plan
   chooses not at all).
 * ``should_pad`` (profitability, ``PadPolicy``): skip tiny ops (weight elements below
-  ``min_weight_elements``); pad each dim whose padded/unpadded ratio, which multiplies the
-  op's FLOPs, is at most ``max_flop_ratio`` (a 3-channel stem padded to 8 costs 2.7x: refused
-  by default); the weight's extra bytes grow by the same ratio (K and N are both weight
-  dims), so one cap bounds both. Dims are judged one by one, so a second run on the output
-  (where the padded dims are aligned) decides the others the same way: no double padding.
-  GEMMs whose operands are both activations (attention's q·kᵀ and scores·v, whose K/N are
-  token counts like ViT's 197) are not padded unless
-  ``pad_activation_gemms``: each would need runtime copies of both operands and a slice of the
-  scores before softmax, which costs more memory traffic than the GEMM itself.
+  ``min_weight_elements``); otherwise a documented **cost model** estimates the op's time
+  unpadded and with each subset of its legal dims padded, and pads the fastest subset
+  (nothing on a tie). The estimate is a roofline, ``max(FLOPs / rate, bytes / bandwidth)``:
+  aligned, the rate is the Tensor-Core peak; misaligned, the whole roofline time is
+  ``misaligned_slowdown`` longer (narrow loads and the slower cuBLAS/cuDNN kernels), and a
+  dim below ``multiple`` (a 3-channel stem) cannot fill a Tensor-Core row at all, so its
+  FLOPs run at the CUDA-core ``fallback_tflops``. Padded, the op runs aligned on its padded
+  FLOPs and bytes, plus the traffic of the runtime copies it needs: a ``Pad`` (read + write)
+  of each activation operand padded at runtime unless a padded region reaches it, and a
+  ``Slice`` of its padded output unless the output only flows (through finite-safe ops) into
+  GEMM/conv reads of that dim as K, or the adapter's slice is a view (torch). Weights cost no
+  copy (padded once at rewrite time, or fused with their cast). The sources of the default
+  parameters are in ``PadPolicy``. Choosing the best *subset* keeps a second run idempotent:
+  with the chosen dims aligned, padding any other dim costs what it cost in the first run's
+  comparison, which it lost.
+  Symbolic dims are estimated at their example size (``PadValue.hint``, torch) or at
+  ``symbolic_dim_size`` with the mean pad of (multiple − 1)/2 (ONNX). ``can_pad`` allows
+  them where the adapter computes runtime pad amounts (ONNX: Shape/Mod arithmetic,
+  ``plan_padding(runtime_pads=True)``); the fx adapter pads static sizes only.
+  ``max_flop_ratio`` (None by default) is an optional hard cap on padded/unpadded per dim.
 
 Regions. A padded GEMM N (or conv Cout) dim makes its output *produced padded*: the new
 columns are exactly 0 (zero weight columns, zero bias). The padded layout then propagates
@@ -47,6 +59,7 @@ produced padded, and one pad per (value, layout) read padded but produced unpadd
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -90,6 +103,7 @@ class PadValue(NamedTuple):
     shape: tuple[Dim, ...] | None
     constant: bool = False  # a weight: padded once (ONNX) or fused with its cast (fx)
     itemsize: int = 2
+    hint: tuple[int | None, ...] | None = None  # example sizes of symbolic dims (estimates)
 
 
 class PadOp(NamedTuple):
@@ -115,18 +129,65 @@ class PadOp(NamedTuple):
 
 @dataclass(frozen=True)
 class PadPolicy:
-    """Profitability knobs of ``should_pad`` (module docstring)."""
+    """Knobs of ``should_pad``'s cost model (module docstring); defaults model an H100 SXM.
+
+    * ``tensor_core_tflops`` = 989.4: dense FP16/BF16 Tensor-Core peak of the H100 SXM5
+      (NVIDIA H100 Tensor Core GPU Architecture whitepaper, table "NVIDIA H100 compared to
+      A100": 1979 TFLOPS with sparsity, half of it dense).
+    * ``fallback_tflops`` = 133.8: the same table's FP16/BF16 *non*-Tensor-Core peak, the rate
+      of an op with a dim below ``multiple`` (cuDNN's "Convolutional Layers User's Guide",
+      Quick-Start Checklist: channels divisible by 8 to run on Tensor Cores; pad the 3-channel
+      first layer).
+    * ``misaligned_slowdown`` = 1.6: time of a misaligned GEMM over the same GEMM padded,
+      measured on an H100 (issue 15: −38% time after padding, 1/0.62); applied to the whole
+      roofline time (misaligned rows also forbid 16-byte vector loads).
+    * ``memory_tbps`` = 3.35: HBM3 bandwidth of the H100 SXM5 80 GB (same whitepaper).
+    * ``symbolic_dim_size`` = 512: size assumed for a symbolic dim without an example size.
+    * ``min_weight_elements`` = 256: ops below it are launch-bound, padding them buys nothing.
+    * ``pad_activation_gemms``: let the cost model consider GEMMs whose operands are both
+      activations (attention); False refuses them outright.
+    * ``max_flop_ratio``: optional hard cap on a dim's padded/unpadded size (None: none).
+    """
 
     multiple: int = 8
-    max_flop_ratio: float = 1.5
+    max_flop_ratio: float | None = None
     min_weight_elements: int = 256
-    pad_activation_gemms: bool = False
+    pad_activation_gemms: bool = True
+    tensor_core_tflops: float = 989.4
+    fallback_tflops: float = 133.8
+    misaligned_slowdown: float = 1.6
+    memory_tbps: float = 3.35
+    symbolic_dim_size: int = 512
+
+    def op_seconds(self, flops: float, traffic: float, misaligned: Iterable[int]) -> float:
+        """Roofline time of one GEMM/conv with the given misaligned dim sizes."""
+        misaligned = list(misaligned)
+        rate = self.tensor_core_tflops
+        if misaligned:
+            traffic *= self.misaligned_slowdown
+            rate = (self.fallback_tflops if min(misaligned) < self.multiple
+                    else self.tensor_core_tflops / self.misaligned_slowdown)
+        return max(flops / (rate * 1e12), traffic / (self.memory_tbps * 1e12))
+
+    def copy_seconds(self, traffic: float) -> float:
+        return traffic / (self.memory_tbps * 1e12)
 
 
 class DimPad(NamedTuple):
+    """A padded dim; symbolic: ``size`` is the symbol, ``padded`` ``padded_symbol(size)``,
+    and ``est_*`` the sizes the cost model assumes (example size, or a mean pad)."""
+
     role: str  # 'K' | 'N' | 'Cin' | 'Cout'
-    size: int
-    padded: int
+    size: int | str
+    padded: int | str
+    est_size: float = 0.0
+    est_padded: float = 0.0
+
+    @property
+    def ratio(self) -> float:
+        if isinstance(self.size, int):
+            return self.padded / self.size
+        return self.est_padded / self.est_size
 
 
 class OpPadding(NamedTuple):
@@ -139,6 +200,8 @@ class OpPadding(NamedTuple):
     flops: int
     padded_flops: int
     extra_weight_bytes: int
+    est_seconds: float = 0.0  # cost model, unpadded
+    est_padded_seconds: float = 0.0  # cost model, with ``dims`` padded (copies included)
 
 
 class PadGraph:
@@ -199,6 +262,17 @@ def round_up(size: int, multiple: int) -> int:
     return -(-size // multiple) * multiple
 
 
+def padded_symbol(symbol: str, multiple: int) -> str:
+    """The name of a symbolic dim rounded up at runtime (a multiple by construction)."""
+    return f"ceil{multiple}({symbol})"
+
+
+def is_aligned(size: Dim, multiple: int) -> bool:
+    if isinstance(size, int):
+        return size % multiple == 0
+    return isinstance(size, str) and size.startswith(f"ceil{multiple}(")
+
+
 # ----------------------------------------------------------------------------- legality
 
 
@@ -235,8 +309,13 @@ def _roles(op: PadOp) -> dict[str, tuple[tuple[Hashable, int], ...]]:
     return {names[0]: op.k_axes, names[1]: op.n_axes}
 
 
-def can_pad(graph: PadGraph, op: PadOp, role: str, multiple: int) -> str | None:
-    """None if ``role`` of ``op`` may be padded, else why not (legality only)."""
+def can_pad(graph: PadGraph, op: PadOp, role: str, multiple: int,
+            runtime_pads: bool = False) -> str | None:
+    """None if ``role`` of ``op`` may be padded, else why not (legality only).
+
+    ``runtime_pads``: the adapter can pad a symbolic dim by a runtime amount (ONNX's
+    Shape/Mod arithmetic); without it symbolic dims are not padded.
+    """
     if not op.low:
         return "runs high: only low-precision GEMMs/convs are padded"
     if op.kind is PadKind.CONV and op.groups != 1:
@@ -251,11 +330,12 @@ def can_pad(graph: PadGraph, op: PadOp, role: str, multiple: int) -> str | None:
     (size,) = dims
     if size is None:
         return f"{role} unknown"
-    if not isinstance(size, int):
-        return f"{role} is symbolic ({size}): its runtime pad would cost more than it saves"
-    if size % multiple == 0:
+    if is_aligned(size, multiple):
         return f"{role}={size} already aligned"
-    return None
+    if isinstance(size, str) and not runtime_pads:
+        return (f"{role} is symbolic ({size}): this adapter pads static sizes only (no "
+                "runtime pad amounts)")
+    return None  # symbolic: a runtime pad amount, (multiple − d % multiple) % multiple
 
 
 # ----------------------------------------------------------------------------- profitability
@@ -274,12 +354,15 @@ def _all_activation(graph: PadGraph, op: PadOp) -> bool:
 
 
 def should_pad(graph: PadGraph, op: PadOp, candidates: Mapping[str, DimPad],
-               policy: PadPolicy) -> tuple[dict[str, DimPad], dict[str, str]]:
-    """Which legal dims to pad and why not the rest.
+               policy: PadPolicy, slice_is_view: bool = False,
+               unpadded_n: frozenset = frozenset()
+               ) -> tuple[dict[str, DimPad], dict[str, str]]:
+    """Which legal dims to pad and why not the rest: the cost model's fastest subset.
 
-    Each dim is judged on its own (its padded/unpadded ratio against ``max_flop_ratio``), so
-    the answer for one dim never depends on whether another is already aligned: a second run
-    on the output pads nothing more. An op padded in two dims costs at most the cap squared.
+    ``slice_is_view``: the adapter's slice at a region end is a view (torch), not a copy.
+    ``unpadded_n``: GEMMs/convs known not to pad their N/Cout, so an input they produce
+    needs a runtime Pad (``plan_padding`` iterates to the fixed point). Subsets are tried smallest first and a larger one must be strictly faster, so ties keep
+    fewer dims; a second run on the output pads nothing more (module docstring).
     """
     refused: dict[str, str] = {}
     if not candidates:
@@ -289,41 +372,212 @@ def should_pad(graph: PadGraph, op: PadOp, candidates: Mapping[str, DimPad],
         return {}, {r: f"tiny op ({elements} weight elements < "
                        f"{policy.min_weight_elements})" for r in candidates}
     if _all_activation(graph, op) and not policy.pad_activation_gemms:
-        return {}, {r: "both operands are activations: runtime pads of both and a slice "
-                       "cost more traffic than the GEMM (pad_activation_gemms=False)"
+        return {}, {r: "both operands are activations (pad_activation_gemms=False)"
                     for r in candidates}
-    chosen = {}
+    cost = _Cost(graph, op, policy, slice_is_view, unpadded_n)
+    allowed = {r: d for r, d in candidates.items()
+               if policy.max_flop_ratio is None or d.ratio <= policy.max_flop_ratio}
     for role, dim in candidates.items():
-        ratio = dim.padded / dim.size
-        if ratio <= policy.max_flop_ratio:
-            chosen[role] = dim
-        else:
-            refused[role] = (f"{role} {dim.size}→{dim.padded} costs {ratio:.2f}x the op's "
-                             f"FLOPs (max_flop_ratio {policy.max_flop_ratio} per dim)")
-    return chosen, refused
+        if role not in allowed:
+            refused[role] = (f"{role} {dim.size}→{dim.padded} is over max_flop_ratio "
+                             f"{policy.max_flop_ratio}")
+    base = cost.seconds({})
+    best, best_time = {}, base
+    for size in range(1, len(allowed) + 1):
+        for roles in itertools.combinations(allowed, size):
+            subset = {r: allowed[r] for r in roles}
+            seconds = cost.seconds(subset)
+            if seconds < best_time:
+                best, best_time = subset, seconds
+    for role, dim in allowed.items():
+        if role not in best:
+            alone = cost.seconds({role: dim})
+            refused[role] = (f"{role} {dim.size}→{dim.padded}: cost model "
+                             f"{alone * 1e6:.3g} µs padded vs {base * 1e6:.3g} µs unpadded")
+    return best, refused
+
+
+class _Cost:
+    """The cost model of one op (module docstring): roofline time plus runtime copies."""
+
+    def __init__(self, graph: PadGraph, op: PadOp, policy: PadPolicy,
+                 slice_is_view: bool, unpadded_n: frozenset = frozenset()) -> None:
+        self.graph, self.op, self.policy, self.slice_is_view = graph, op, policy, slice_is_view
+        self.unpadded_n = unpadded_n
+        self.roles = _roles(op)
+        self.misaligned = {r: _estimate_dim(graph, refs[0], policy)
+                           for r, refs in self.roles.items()
+                           if _maybe_misaligned(graph, refs[0], policy.multiple)}
+        self.flops = _estimated_flops(graph, op, policy)
+        operands = [v for v, _ in op.k_axes] + [v for v in op.outputs[:1]]
+        self.operands = list(dict.fromkeys(operands))
+
+    def seconds(self, pads: Mapping[str, DimPad]) -> float:
+        ratio = {r: d.ratio for r, d in pads.items()}
+        flops = self.flops * math.prod(ratio.values())
+        traffic = sum(self._bytes(v) * math.prod(ratio[r] for r in ratio
+                                                 if self._on(v, r)) for v in self.operands)
+        misaligned = [size for role, size in self.misaligned.items() if role not in pads]
+        copies = sum(self._copy_bytes(r, d) for r, d in pads.items())
+        return self.policy.op_seconds(flops, traffic, misaligned) + \
+            self.policy.copy_seconds(copies)
+
+    def _on(self, value: Hashable, role: str) -> bool:
+        return any(v == value for v, _ in self.roles[role])
+
+    def _bytes(self, value: Hashable) -> float:
+        shape = _estimate_shape(self.graph, value, self.policy)
+        return math.prod(shape) * self.graph.values[value].itemsize if shape else 0.0
+
+    def _copy_bytes(self, role: str, dim: DimPad) -> float:
+        """Traffic of the runtime Pad/Slice copies padding ``role`` needs."""
+        ratio, total = dim.ratio, 0.0
+        for value, axis in self.roles[role]:
+            if self.graph.is_constant(value) or self.graph.values.get(value) is None:
+                continue  # weights: padded once, or fused with their cast
+            if value in self.op.outputs:
+                if not self.slice_is_view and not _flows_into_k_reads(self.graph, value, axis):
+                    total += self._bytes(value) * (ratio + 1)  # read padded, write unpadded
+            elif not _padded_upstream(self.graph, value, axis, dim.size, self.unpadded_n):
+                total += self._bytes(value) * (1 + ratio)  # read, write padded
+        return total
+
+
+def _estimate_shape(graph: PadGraph, value: Hashable, policy: PadPolicy) -> tuple | None:
+    info = graph.values.get(value)
+    if info is None or info.shape is None:
+        return None
+    hint = info.hint or (None,) * len(info.shape)
+    return tuple(d if isinstance(d, int) else h if isinstance(h, int) else
+                 policy.symbolic_dim_size for d, h in zip(info.shape, hint))
+
+
+def _maybe_misaligned(graph: PadGraph, ref: tuple[Hashable, int], multiple: int) -> bool:
+    """Static: not a multiple; symbolic: its example size is not one, or (no example)
+    7 of 8 runtime sizes are not."""
+    info = graph.values.get(ref[0])
+    size = _dim(graph, ref)
+    if isinstance(size, int) or is_aligned(size, multiple):
+        return not is_aligned(size, multiple)
+    hint = info.hint[ref[1]] if info is not None and info.hint else None
+    return not isinstance(hint, int) or hint % multiple != 0
+
+
+def _estimate_dim(graph: PadGraph, ref: tuple[Hashable, int], policy: PadPolicy) -> int:
+    shape = _estimate_shape(graph, ref[0], policy)
+    return shape[ref[1]] if shape is not None and -len(shape) <= ref[1] < len(shape) else 0
+
+
+def _estimated_flops(graph: PadGraph, op: PadOp, policy: PadPolicy) -> float:
+    """``op_flops`` with symbolic dims at their example (or assumed) size."""
+    out = _estimate_shape(graph, op.outputs[0], policy)
+    if out is None:
+        return 0.0
+    if op.kind is PadKind.GEMM:
+        return 2.0 * math.prod(out) * _estimate_dim(graph, op.k_axes[0], policy)
+    w, cout_axis = op.n_axes[0]
+    wshape = _estimate_shape(graph, w, policy)
+    if not wshape:
+        return 0.0
+    return 2.0 * math.prod(out) * math.prod(wshape) / max(wshape[cout_axis], 1)
+
+
+def _flows_into_k_reads(graph: PadGraph, value: Hashable, axis: int) -> bool:
+    """Whether every reader of ``value`` (through finite-safe pointwise ops) is a GEMM/conv
+    reading ``axis`` as its K: then a region carries the padded layout and no slice is
+    needed. A value without readers is a graph output: it needs one."""
+    work, seen = [(value, axis % len(graph.shape(value)))], set()
+    while work:
+        v, ax = work.pop()
+        if (v, ax) in seen:
+            continue
+        seen.add((v, ax))
+        readers = graph.consumers.get(v, [])
+        if not readers:
+            return False
+        for key in readers:
+            op = graph.ops[key]
+            rank = len(graph.shape(v))
+            if op.kind in (PadKind.GEMM, PadKind.CONV):
+                if not any(r == v and a % rank == ax for r, a in op.k_axes):
+                    return False
+                continue
+            spec = next((p for p in op.pointwise if p.value == v), None)
+            if (op.kind is not PadKind.POINTWISE or not op.finite_safe or spec is None
+                    or not spec.may_vary or len(op.outputs) != 1
+                    or graph.shape(op.outputs[0]) is None):
+                return False
+            work.append((op.outputs[0], ax + spec.offset))
+    return True
+
+
+def _padded_upstream(graph: PadGraph, value: Hashable, axis: int, size: Dim,
+                     unpadded_n: frozenset = frozenset(), depth: int = 8) -> bool:
+    """Whether ``value`` is (a finite-safe pointwise function of) a GEMM/conv output whose N
+    is this dim and which is not in ``unpadded_n``, so a region may deliver it padded
+    without a runtime Pad."""
+    shape = graph.shape(value)
+    if shape is None or depth == 0:
+        return False
+    axis %= len(shape)
+    op = graph.ops.get(graph.producer.get(value))
+    if op is None:
+        return False
+    if op.kind in (PadKind.GEMM, PadKind.CONV):
+        return op.low and op.key not in unpadded_n and any(
+            v == value and a % len(shape) == axis for v, a in op.n_axes)
+    if op.kind is not PadKind.POINTWISE or not op.finite_safe:
+        return False
+    found = False
+    for spec in op.pointwise:
+        in_shape = graph.shape(spec.value)
+        in_axis = axis - spec.offset
+        if in_shape is None or not 0 <= in_axis < len(in_shape) or in_shape[in_axis] == 1:
+            continue  # broadcast along the dim
+        if graph.is_constant(spec.value):
+            continue
+        if in_shape[in_axis] != size or not _padded_upstream(
+                graph, spec.value, in_axis, size, unpadded_n, depth - 1):
+            return False
+        found = True
+    return found
 
 
 # ----------------------------------------------------------------------------- planning
 
 
-def _plan_op(graph: PadGraph, op: PadOp, policy: PadPolicy) -> OpPadding:
+def _plan_op(graph: PadGraph, op: PadOp, policy: PadPolicy, slice_is_view: bool = False,
+             runtime_pads: bool = False, unpadded_n: frozenset = frozenset()) -> OpPadding:
     candidates, skipped = {}, {}
     for role in _roles(op):
-        why = can_pad(graph, op, role, policy.multiple)
+        why = can_pad(graph, op, role, policy.multiple, runtime_pads)
         if why is None:
-            size = _dim(graph, _roles(op)[role][0])
-            candidates[role] = DimPad(role, size, round_up(size, policy.multiple))
+            candidates[role] = _candidate(graph, op, role, policy)
         else:
             skipped[role] = why
-    chosen, refused = should_pad(graph, op, candidates, policy)
+    chosen, refused = should_pad(graph, op, candidates, policy, slice_is_view, unpadded_n)
     skipped.update(refused)
     flops = op_flops(graph, op) or 0
-    ratio = math.prod(d.padded / d.size for d in chosen.values())
+    ratio = math.prod(d.ratio for d in chosen.values())
     elements = _weight_elements(graph, op) or 0
     itemsize = graph.values[op.k_axes[-1][0]].itemsize if op.k_axes else 2
     dims = tuple(chosen[r] for r in _roles(op) if r in chosen)
+    cost = _Cost(graph, op, policy, slice_is_view, unpadded_n)
     return OpPadding(op.key, op.name, dims, tuple(skipped.items()), flops,
-                     round(flops * ratio), int(round(elements * (ratio - 1)) * itemsize))
+                     round(flops * ratio), int(round(elements * (ratio - 1)) * itemsize),
+                     cost.seconds({}), cost.seconds(chosen))
+
+
+def _candidate(graph: PadGraph, op: PadOp, role: str, policy: PadPolicy) -> DimPad:
+    ref = _roles(op)[role][0]
+    size, multiple = _dim(graph, ref), policy.multiple
+    if isinstance(size, int):
+        return DimPad(role, size, round_up(size, multiple), size, round_up(size, multiple))
+    est = _estimate_dim(graph, ref, policy)
+    hinted = graph.values[ref[0]].hint is not None
+    # with an example size its exact pad; without one the mean pad over runtime sizes
+    est_padded = round_up(est, multiple) if hinted else est + (multiple - 1) / 2
+    return DimPad(role, size, padded_symbol(size, multiple), est, est_padded)
 
 
 def _op_demands(op: PadOp, padding: OpPadding) -> tuple[dict, dict]:
@@ -348,17 +602,33 @@ def _normalise(pad: AxisPad, rank: int) -> AxisPad:
 class _Planner:
     """Seeds from padded GEMMs/convs, forward propagation, pruning (module docstring)."""
 
-    def __init__(self, graph: PadGraph, policy: PadPolicy) -> None:
-        self.graph, self.policy = graph, policy
+    def __init__(self, graph: PadGraph, policy: PadPolicy, slice_is_view: bool,
+                 runtime_pads: bool) -> None:
+        self.graph, self.policy, self.slice_is_view = graph, policy, slice_is_view
+        self.runtime_pads = runtime_pads
         self.reads: dict[tuple[Hashable, Hashable], tuple[AxisPad, ...]] = {}
         self.produced: dict[Hashable, AxisPad] = {}
         self.ops: dict[Hashable, OpPadding] = {}
 
     def seed(self) -> None:
-        for op in self.graph.ops.values():
-            if op.kind not in (PadKind.GEMM, PadKind.CONV) or not op.low:
-                continue
-            padding = _plan_op(self.graph, op, self.policy)
+        """Plan every low GEMM/conv. A cost counts an input as delivered padded when its
+        producer pads N; planning starts optimistic and repeats with the producers that
+        did not pad N until that set stops growing (it only grows: at most one pass per
+        GEMM/conv; an op that pads N again later only leaves its readers' copies
+        over-estimated)."""
+        gemms = [op for op in self.graph.ops.values()
+                 if op.kind in (PadKind.GEMM, PadKind.CONV) and op.low]
+        unpadded_n: frozenset = frozenset()
+        while True:
+            plans = {op.key: _plan_op(self.graph, op, self.policy, self.slice_is_view,
+                                      self.runtime_pads, unpadded_n) for op in gemms}
+            now = unpadded_n | {key for key, p in plans.items()
+                                if not any(d.role in ("N", "Cout") for d in p.dims)}
+            if now == unpadded_n:
+                break
+            unpadded_n = frozenset(now)
+        for op in gemms:
+            padding = plans[op.key]
             self.ops[op.key] = padding
             reads, produced = _op_demands(op, padding)
             for value, pads in reads.items():
@@ -447,10 +717,17 @@ class _Planner:
                    if op in self.ops and self._reads_as_produced(op, v))
 
 
-def plan_padding(graph: PadGraph, policy: PadPolicy | None = None) -> PaddingPlan:
-    """The padding plan of every low GEMM/conv in ``graph`` (module docstring)."""
+def plan_padding(graph: PadGraph, policy: PadPolicy | None = None,
+                 slice_is_view: bool = False, runtime_pads: bool = False) -> PaddingPlan:
+    """The padding plan of every low GEMM/conv in ``graph`` (module docstring).
+
+    ``slice_is_view``: the adapter's slices are views (torch's ``aten.slice``), so the cost
+    model charges no copy for a padded output read unpadded; ONNX's Slice is a copy.
+    ``runtime_pads``: the adapter pads symbolic dims by runtime amounts (ONNX); then an
+    ``AxisPad`` may carry a symbol as ``size`` and ``padded_symbol(size)`` as ``padded``.
+    """
     policy = policy or PadPolicy()
-    planner = _Planner(graph, policy)
+    planner = _Planner(graph, policy, slice_is_view, runtime_pads)
     planner.seed()
     kept = planner.prune(planner.propagate())
     return PaddingPlan(MappingProxyType(dict(planner.produced)),
@@ -480,4 +757,8 @@ def padding_report(plan: PaddingPlan) -> dict:
         "extra_weight_bytes": sum(p.extra_weight_bytes for p in padded),
         "regions_propagated": plan.regions,
         "ops_propagated": len(plan.propagated),
+        # the cost model's estimate over every low GEMM/conv (seconds on the modelled GPU)
+        "estimated_seconds_unpadded": sum(p.est_seconds for p in plan.ops.values()),
+        "estimated_seconds_padded": sum(p.est_padded_seconds if p.dims else p.est_seconds
+                                        for p in plan.ops.values()),
     }

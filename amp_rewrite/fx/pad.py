@@ -15,8 +15,14 @@
 * a value produced padded but read unpadded gets one ``aten.slice`` (graph outputs keep
   their shapes).
 
-Symbolic dims are never padded (``core.padding.can_pad``). A second run finds every padded
-dim aligned and changes nothing.
+Which dims pay is the core's cost model; slices here are views, so it charges none
+(``plan_padding(slice_is_view=True)``), and symbolic dims are estimated at the example
+inputs' sizes. Symbolic dims are not padded (``can_pad`` without ``runtime_pads``): a graph
+padding by ``(8 - s % 8) % 8`` (``sym_size``/``operator.mod``, ``new_zeros`` + ``cat``; Pad
+itself rejects symbolic amounts under fake tensors) runs exactly in eager for every size,
+but ``torch.export`` of the result guards on the amount and specialises the dim to the
+example's residue mod 8 (a constraint violation for a ``Dim``), so the output would no
+longer export. A second run finds every padded dim aligned and changes nothing.
 """
 from __future__ import annotations
 
@@ -60,7 +66,28 @@ def _shape(node: Node) -> tuple | None:
     val = _val(node)
     if val is None:
         return None
-    return tuple(int(d) if isinstance(d, int) else str(d) for d in val.shape)
+    return tuple(_static(d) for d in val.shape)
+
+
+def _static(dim: int | torch.SymInt) -> int | str:
+    """An int, a SymInt the shape environment fixed to an int, else the symbol's name."""
+    if isinstance(dim, int):
+        return int(dim)
+    value = dim.node.maybe_as_int()
+    return int(value) if value is not None else str(dim)
+
+
+def _hint(node: Node) -> tuple[int | None, ...] | None:
+    """Example sizes of symbolic dims (the capture's example inputs), for cost estimates."""
+    val = _val(node)
+    if val is None or all(isinstance(d, int) for d in val.shape):
+        return None
+    return tuple(int(d) if isinstance(d, int) else _size_hint(d) for d in val.shape)
+
+
+def _size_hint(dim: torch.SymInt) -> int | None:
+    hint = getattr(dim.node, "hint", None)
+    return int(hint) if isinstance(hint, int) else None
 
 
 def _is_constant(node: Node) -> bool:
@@ -82,7 +109,9 @@ class PadGemms(PassBase):
         self.pads_inserted = self.slices_inserted = self.weights_padded = 0
 
     def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
-        self.plan = plan_padding(self.build(graph_module.graph), self.policy)
+        # aten.slice is a view: a padded output read unpadded costs no copy
+        self.plan = plan_padding(self.build(graph_module.graph), self.policy,
+                                 slice_is_view=True)
         if self.plan.is_empty():
             return PassResult(graph_module, False)
         _Applier(graph_module.graph, self.plan, self).run()
@@ -101,7 +130,7 @@ class PadGemms(PassBase):
             if _val(node) is not None:
                 val = _val(node)
                 g.add_value(PadValue(node, node.name, _shape(node), _is_constant(node),
-                                     val.element_size()))
+                                     val.element_size(), _hint(node)))
         for node in graph.nodes:
             if node.op in ("call_function", "output"):
                 g.add_op(self._op(node, g))

@@ -12,9 +12,12 @@ asks for:
 * a value produced padded but read unpadded (by an op outside the region, a subgraph or a
   graph output) gets one ``Slice``; graph outputs keep their names and shapes.
 
-Symbolic dims are never padded (``can_pad``): their runtime pad amounts would cost a
-Shape/Mod/Pad chain per GEMM while every symbolic K/N dim in the zoo is a token count of an
-attention GEMM, which ``should_pad`` refuses anyway. Subgraph bodies are not padded.
+A symbolic dim named by a graph input (``dim_param``) is padded by a runtime amount,
+``(m − d % m) % m`` computed with Shape/Gather/Mod/Sub from the value being padded, and
+sliced back to the graph input's size (Shape of that input): exact for every runtime size.
+Symbolic dims no graph input names are treated as unknown (not padded). Whether padding a
+dim pays is the core's cost model (it assumes ``PadPolicy.symbolic_dim_size`` for symbols).
+Subgraph bodies are not padded.
 A second run finds every padded dim aligned and changes nothing.
 """
 from __future__ import annotations
@@ -27,8 +30,8 @@ import onnx_ir as ir
 import onnx_ir.passes.common
 
 from amp_rewrite.core.padding import (AxisPad, PadGraph, PadInput, PadKind, PadOp,
-                                      PaddingPlan, PadPolicy, PadValue, padding_report,
-                                      plan_padding)
+                                      PaddingPlan, PadPolicy, PadValue, is_aligned,
+                                      padding_report, plan_padding)
 from amp_rewrite.onnx.apply import REASON_KEY, _Namer
 from amp_rewrite.onnx.view import INSERTED_TAG
 
@@ -75,13 +78,14 @@ def pad_model(model: ir.Model, policy: PadPolicy | None = None,
         return stats
     graph = model.graph
     policy = policy or PadPolicy()
-    if not policy.pad_activation_gemms and not _misaligned_weights(graph, low, policy.multiple):
+    if not _misaligned_weights(graph, low, policy.multiple) and not (
+            policy.pad_activation_gemms and _activation_gemms(graph, low)):
         return stats  # nothing a plan could pad: skip the shape inference below
     if _needs_shapes(graph, low):
         # Loading keeps inferred dtypes and sizes, not shapes (io._with_inferred_facts); the
         # plan needs the shapes around GEMMs/convs, so infer them once more, only here.
         ir.passes.common.ShapeInferencePass(strict_mode=False)(model)
-    stats.plan = plan_padding(build_pad_graph(graph, low), policy)
+    stats.plan = plan_padding(build_pad_graph(graph, low), policy, runtime_pads=True)
     if not stats.plan.is_empty():
         _Applier(graph, stats.plan, stats).run()
     return stats
@@ -90,6 +94,7 @@ def pad_model(model: ir.Model, policy: PadPolicy | None = None,
 # ----------------------------------------------------------------------------- view
 
 _GEMMS = ("MatMul", "Gemm", "Conv")
+_GRAPH_OUTPUTS = "amp_rewrite.graph_outputs"  # key of the pad graph's output reader
 
 
 def _misaligned_weights(graph: ir.Graph, low: tuple[ir.DataType, ...], multiple: int) -> bool:
@@ -110,35 +115,60 @@ def _misaligned_weights(graph: ir.Graph, low: tuple[ir.DataType, ...], multiple:
     return False
 
 
+def _activation_gemms(graph: ir.Graph, low: tuple[ir.DataType, ...]) -> bool:
+    """Whether some low MatMul multiplies two activations (attention): its token dims are
+    only known after shape inference."""
+    return any(n.op_type == "MatMul" and n.domain == "" and n.outputs[0].dtype in low
+               and not any(v is not None and is_constant(v) for v in n.inputs)
+               for n in graph)
+
+
 def _needs_shapes(graph: ir.Graph, low: tuple[ir.DataType, ...]) -> bool:
     return any(n.op_type in _GEMMS and n.domain == "" and n.outputs[0].dtype in low
                and any(v is not None and v.shape is None for v in (*n.inputs, *n.outputs))
                for n in graph)
 
 
-def _shape(value: ir.Value) -> tuple | None:
+def _shape(value: ir.Value, symbols: dict[str, tuple[ir.Value, int]]) -> tuple | None:
+    """Static dims as ints, symbols a graph input names (or already rounded up) as str,
+    any other dim None (unknown: no runtime size to pad it by)."""
     if value.shape is None:
         return None
-    return tuple(d if isinstance(d, int) else (d.value if d.value is not None else None)
+    return tuple(d if isinstance(d, int) else
+                 d.value if d.value in symbols or is_aligned(d.value, 8) else None
                  for d in value.shape)
 
 
-def _add_value(g: PadGraph, value: ir.Value) -> None:
+def input_symbols(graph: ir.Graph) -> dict[str, tuple[ir.Value, int]]:
+    """Symbolic dim name -> (graph input, axis) that carries its runtime size."""
+    symbols: dict[str, tuple[ir.Value, int]] = {}
+    for value in graph.inputs:
+        for axis, d in enumerate(value.shape or ()):
+            if not isinstance(d, int) and d.value is not None:
+                symbols.setdefault(d.value, (value, axis))
+    return symbols
+
+
+def _add_value(g: PadGraph, value: ir.Value, symbols: dict) -> None:
     if value in g.values:
         return
     dtype = value.dtype
-    g.add_value(PadValue(value, value.name or "", _shape(value), is_constant(value),
+    g.add_value(PadValue(value, value.name or "", _shape(value, symbols), is_constant(value),
                          int(dtype.itemsize) if dtype is not None else 4))
 
 
 def build_pad_graph(graph: ir.Graph, low: tuple[ir.DataType, ...] = _LOW) -> PadGraph:
     """The core's pad graph of ``graph`` (main graph only)."""
     g = PadGraph()
+    symbols = input_symbols(graph)
     for node in graph:
         for v in (*node.inputs, *node.outputs):
             if v is not None:
-                _add_value(g, v)
+                _add_value(g, v, symbols)
         g.add_op(_pad_op(node, low))
+    # the graph outputs as one opaque reader: a padded output needs its Slice (cost model)
+    outputs = tuple(v for v in graph.outputs if v in g.values)
+    g.add_op(PadOp(_GRAPH_OUTPUTS, "graph outputs", PadKind.OPAQUE, outputs, ()))
     return g
 
 
@@ -239,6 +269,8 @@ class _Applier:
         self.graph, self.plan, self.stats = graph, plan, stats
         self.namer = _Namer([graph])
         self.versions: dict[tuple[ir.Value, tuple[AxisPad, ...]], ir.Value] = {}
+        self.symbols = input_symbols(graph)
+        self.symbol_sizes: dict[str, ir.Value] = {}
 
     def run(self) -> None:
         reads = self._reads_to_change()
@@ -352,21 +384,73 @@ class _Applier:
         rank = len(value.shape)
         widths = [0] * (2 * rank)
         for p in pads:
-            widths[rank + p.axis] = p.padded - p.size
+            if isinstance(p.size, int):
+                widths[rank + p.axis] = p.padded - p.size
         fills = {p.fill for p in pads}
         fill_name = self.namer(f"{value.name}_padfill")
         fill = ir.Value(name=fill_name, shape=ir.Shape([]), type=value.type,
                         const_value=ir.Tensor(np.array(fills.pop(), dtype=_np_dtype(value)),
                                               name=fill_name))
         self.graph.register_initializer(fill)
+        nodes: list[ir.Node] = []
+        amounts = self._pad_amounts(nodes, value, widths,
+                                    [p for p in pads if isinstance(p.size, str)])
         out = ir.Value(name=self.namer(f"{value.name}_padded"), type=value.type,
                        shape=_padded_shape(value.shape, pads))
-        node = ir.Node("", "Pad", [value, self._int64(f"{value.name}_pads", widths), fill],
-                       outputs=[out], name=f"amp_pad_{out.name}",
-                       metadata_props={INSERTED_TAG: "pad", REASON_KEY: _why(pads)})
-        self._insert_after(value, node)
+        nodes.append(ir.Node("", "Pad", [value, amounts, fill],
+                             outputs=[out], name=f"amp_pad_{out.name}",
+                             metadata_props={INSERTED_TAG: "pad", REASON_KEY: _why(pads)}))
+        for node in reversed(nodes):  # each goes right after the producer: reverse order
+            self._insert_after(value, node)
         self.stats.pads_inserted += 1
         return out
+
+    def _pad_amounts(self, nodes: list[ir.Node], value: ir.Value, widths: list[int],
+                     symbolic: list[AxisPad]) -> ir.Value:
+        """Pad's ``pads`` input: a constant, or with symbolic dims a Concat of the constant
+        parts and ``(m − d % m) % m`` of each runtime size ``d`` (read from ``value``)."""
+        if not symbolic:
+            return self._int64(f"{value.name}_pads", widths)
+        rank = len(value.shape)
+        multiple = self._int64("amp_pad_multiple", [self.plan.policy.multiple])
+        parts, start = [], 0
+        for p in sorted(symbolic, key=lambda p: p.axis):
+            at = rank + p.axis
+            if at > start:
+                parts.append(self._int64(f"{value.name}_pads", widths[start:at]))
+            size = self._node(nodes, "Gather", [self._node(nodes, "Shape", [value]),
+                                                self._int64("amp_axis", [p.axis])])
+            rest = self._node(nodes, "Sub", [multiple, self._node(nodes, "Mod",
+                                                                  [size, multiple])])
+            parts.append(self._node(nodes, "Mod", [rest, multiple]))
+            start = at + 1
+        if start < 2 * rank:
+            parts.append(self._int64(f"{value.name}_pads", widths[start:]))
+        return self._node(nodes, "Concat", parts, axis=0)
+
+    def _node(self, nodes: list[ir.Node], op_type: str, inputs: list[ir.Value],
+              **attributes: int) -> ir.Value:
+        """A runtime shape-arithmetic node (int64), appended to ``nodes`` in order."""
+        out = ir.Value(name=self.namer(f"amp_pad_{op_type.lower()}"),
+                       type=ir.TensorType(ir.DataType.INT64))
+        node = ir.Node("", op_type, inputs, outputs=[out], name=f"amp_{out.name}",
+                       attributes=[ir.AttrInt64(k, v) for k, v in attributes.items()],
+                       metadata_props={INSERTED_TAG: "pad",
+                                       REASON_KEY: "runtime pad amount of a symbolic dim"})
+        nodes.append(node)
+        return out
+
+    def _symbol_size(self, symbol: str) -> ir.Value:
+        """The runtime size of ``symbol`` (1-D), from the graph input that names it."""
+        if symbol not in self.symbol_sizes:
+            source, axis = self.symbols[symbol]
+            nodes: list[ir.Node] = []
+            size = self._node(nodes, "Gather", [self._node(nodes, "Shape", [source]),
+                                                self._int64("amp_axis", [axis])])
+            for node in reversed(nodes):
+                self._insert_after(source, node)
+            self.symbol_sizes[symbol] = size
+        return self.symbol_sizes[symbol]
 
     def _slice_node(self, value: ir.Value, pad: AxisPad) -> ir.Value:
         shape = list(value.shape) if value.shape is not None else None
@@ -374,8 +458,9 @@ class _Applier:
             shape[pad.axis] = pad.size
         out = ir.Value(name=self.namer(f"{value.name}_unpadded"), type=value.type,
                        shape=ir.Shape(shape) if shape is not None else None)
-        inputs = [value, self._int64(f"{value.name}_start", [0]),
-                  self._int64(f"{value.name}_end", [pad.size]),
+        end = (self._int64(f"{value.name}_end", [pad.size]) if isinstance(pad.size, int)
+               else self._symbol_size(pad.size))
+        inputs = [value, self._int64(f"{value.name}_start", [0]), end,
                   self._int64(f"{value.name}_axis", [pad.axis])]
         node = ir.Node("", "Slice", inputs, outputs=[out], name=f"amp_slice_{out.name}",
                        metadata_props={INSERTED_TAG: "slice",

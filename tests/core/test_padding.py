@@ -2,6 +2,8 @@
 unpadded one, on hand-built cases and on random graphs (hypothesis, derandomised)."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -171,6 +173,11 @@ def _gemms_reading_as_produced(plan) -> int:
     return plan.regions
 
 
+# memory traffic free: the cost model reduces to FLOPs at the aligned / misaligned / fallback
+# rates, so tiny test graphs are planned as large (compute-bound) ones would be
+COMPUTE_BOUND = PadPolicy(min_weight_elements=0, memory_tbps=math.inf)
+
+
 # ----------------------------------------------------------------------------- cases
 
 
@@ -236,18 +243,26 @@ def test_region_not_reaching_a_gemm_is_pruned():
 
 
 def test_conv_batchnorm_relu_conv_is_one_region_with_var_filled_by_one():
+    # Compute-bound model (memory free): the 3-channel stem is padded too, since 2.67x its
+    # FLOPs on Tensor Cores beats the 7.4x slower CUDA-core fallback (989.4 / 133.8).
+    # (The old FLOP cap of 1.5 refused it; the cost model replaced the cap, issue 15.)
     b = Builder(np.random.default_rng(6))
     x = b.input((2, 3, 5))
     h = b.unary(b.batchnorm(b.conv1x1(x, 13)), "relu")
     y = b.conv1x1(h, 7)
-    plan = plan_padding(b.g, PadPolicy(min_weight_elements=0))
+    plan = plan_padding(b.g, COMPUTE_BOUND)
     first, second = plan.padded_ops
-    assert [(d.role, d.size, d.padded) for d in first.dims] == [("Cout", 13, 16)]
+    assert [(d.role, d.size, d.padded) for d in first.dims] == [("Cin", 3, 8),
+                                                               ("Cout", 13, 16)]
     assert [(d.role, d.size, d.padded) for d in second.dims] == [("Cin", 13, 16),
                                                                 ("Cout", 7, 8)]
-    assert dict(first.skipped)["Cin"].startswith("Cin 3→8 costs 2.67x")
     assert plan.regions == 1 and len(plan.propagated) == 2
     assert_padded_equals_unpadded(b, [y], plan)
+    # the same graph is memory-bound at these sizes with real bandwidth: padding only adds
+    # traffic (the image copy, a slice of the output), so the default model refuses it
+    default = plan_padding(b.g, PadPolicy(min_weight_elements=0))
+    assert not default.padded_ops
+    assert "cost model" in dict(default.ops[b.g.producer[y]].skipped)["Cout"]
 
 
 def test_grouped_conv_is_not_padded():
@@ -269,12 +284,17 @@ def test_tiny_ops_and_activation_gemms_are_skipped_by_policy():
     plan = plan_padding(b.g)
     reasons = {p.name: dict(p.skipped) for p in plan.ops.values()}
     assert "tiny op" in reasons[b.g.producer[tiny]]["N"]
-    assert "both operands are activations" in reasons[b.g.producer[s]]["K"]
+    assert "cost model" in reasons[b.g.producer[s]]["K"]  # 5 rows: memory-bound
+    off = plan_padding(b.g, PadPolicy(pad_activation_gemms=False))
+    assert "both operands are activations" in dict(off.ops[b.g.producer[s]].skipped)["K"]
     assert_padded_equals_unpadded(b, [tiny, s], plan)
-    # forced: the score GEMM reads q and k as produced (K padded to 200, zeros times zeros);
-    # its N (5→8, 1.6x) is over the cap
-    forced = plan_padding(b.g, PadPolicy(min_weight_elements=0, pad_activation_gemms=True))
-    assert forced.regions == 2
+    # compute-bound model: the score GEMM reads q as produced (K padded to 200, zeros times
+    # zeros); its N 5→8 is padded too (below 8: the fallback is 7.4x slower), so k is read
+    # padded on both axes (a runtime pad of the produced layout): one region, q's
+    forced = plan_padding(b.g, COMPUTE_BOUND)
+    assert forced.regions == 1
+    assert [(d.role, d.padded) for d in forced.ops[b.g.producer[s]].dims] == [("K", 200),
+                                                                            ("N", 8)]
     assert_padded_equals_unpadded(b, [tiny, s], forced)
 
 
@@ -349,9 +369,9 @@ def random_programs(draw):
 
 @settings(max_examples=200, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
-@given(random_programs(), st.sampled_from([PadPolicy(min_weight_elements=0),
-                                           PadPolicy(min_weight_elements=0, max_flop_ratio=4.0,
-                                                     pad_activation_gemms=True)]))
+@given(random_programs(), st.sampled_from([PadPolicy(min_weight_elements=0), COMPUTE_BOUND,
+                                           PadPolicy(min_weight_elements=0, memory_tbps=math.inf,
+                                                     max_flop_ratio=1.5)]))
 def test_random_padded_program_computes_the_unpadded_one(program, policy):
     b, outputs = program
     plan = plan_padding(b.g, policy)
@@ -366,3 +386,109 @@ def test_round_up(size, padded):
     from amp_rewrite.core.padding import round_up
 
     assert round_up(size, 8) == padded
+
+
+# ----------------------------------------------------------------------------- cost model at real sizes
+
+
+def _gemm_graph(a_shape, b_shape, out_shape, *, b_constant=True, k_axes=(-1, -2),
+                n_axis=-1, consumer=True) -> PadGraph:
+    """y = a · b with the given shapes; ``consumer``: y is read by an opaque op (a softmax,
+    a loss), so a padded N needs a slice."""
+    g = PadGraph()
+    g.add_value(PadValue("a", "a", a_shape))
+    g.add_value(PadValue("b", "b", b_shape, constant=b_constant))
+    g.add_value(PadValue("y", "y", out_shape))
+    g.add_op(PadOp("mm", "mm", PadKind.GEMM, ("a", "b"), ("y",),
+                   k_axes=(("a", k_axes[0]), ("b", k_axes[1])),
+                   n_axes=(("b", n_axis), ("y", -1))))
+    if consumer:
+        g.add_value(PadValue("z", "z", out_shape))
+        g.add_op(PadOp("softmax", "softmax", PadKind.OPAQUE, ("y",), ("z",)))
+    return g
+
+
+def test_resnet50_stem_is_padded_3_to_8_by_the_cost_model():
+    g = PadGraph()
+    g.add_value(PadValue("x", "x", (8, 3, 224, 224)))
+    g.add_value(PadValue("w", "w", (64, 3, 7, 7), constant=True))
+    g.add_value(PadValue("y", "y", (8, 64, 112, 112)))
+    g.add_op(PadOp("stem", "stem", PadKind.CONV, ("x", "w"), ("y",),
+                   k_axes=(("x", 1), ("w", 1)), n_axes=(("w", 0), ("y", 1))))
+    padding = plan_padding(g).ops["stem"]
+    assert [(d.role, d.size, d.padded) for d in padding.dims] == [("Cin", 3, 8)]
+    # hand-derived: 2·8·64·112²·3·49 FLOPs on the CUDA-core fallback (Cin 3 < 8) vs 8/3 of
+    # them on Tensor Cores, bound by the padded traffic, plus the image's runtime pad copy
+    flops = 2 * 8 * 64 * 112 * 112 * 3 * 49
+    x, w, y = 8 * 3 * 224 * 224, 64 * 3 * 49, 8 * 64 * 112 * 112
+    unpadded = max(flops / 133.8e12, 2 * (x + w + y) * 1.6 / 3.35e12)
+    padded = (max(flops * 8 / 3 / 989.4e12, 2 * (x * 8 / 3 + w * 8 / 3 + y) / 3.35e12)
+              + 2 * x * (1 + 8 / 3) / 3.35e12)
+    assert padding.est_seconds == pytest.approx(unpadded)
+    assert padding.est_padded_seconds == pytest.approx(padded)
+    assert padded < unpadded / 1.6
+
+
+def test_vit_b_attention_scores_are_memory_bound_and_not_padded():
+    # q·kᵀ per head: [12·8, 197, 64] · [12·8, 64, 197]; k needs a runtime pad along its
+    # tokens and the scores a slice before the softmax: more traffic than the GEMM saves
+    g = _gemm_graph((96, 197, 64), (96, 64, 197), (96, 197, 197), b_constant=False)
+    padding = plan_padding(g).ops["mm"]
+    assert not padding.dims
+    assert "cost model" in dict(padding.skipped)["N"]
+    assert padding.est_seconds < padding.est_seconds * 2  # sanity: finite estimate
+    assert plan_padding(g, COMPUTE_BOUND).ops["mm"].dims  # pays only if memory were free
+
+
+def test_gpt2_vocab_gemm_pays_when_the_output_slice_is_a_view_not_when_it_copies():
+    # lm_head at real size: [8, 1024, 768] · [768, 50257], logits read by the loss. Padding
+    # N saves 1/1.6 of a compute-bound GEMM; an ONNX Slice copy of the 1.6 GB logits (read
+    # padded + write) costs more than that, a torch slice (a view) nothing.
+    g = _gemm_graph((8, 1024, 768), (768, 50257), (8, 1024, 50257))
+    copy = plan_padding(g).ops["mm"]
+    view = plan_padding(g, slice_is_view=True).ops["mm"]
+    assert not copy.dims and [(d.role, d.padded) for d in view.dims] == [("N", 50264)]
+    flops = 2 * 8 * 1024 * 768 * 50257
+    assert view.est_seconds == pytest.approx(flops / (989.4e12 / 1.6))
+    assert view.est_padded_seconds == pytest.approx(flops * 50264 / 50257 / 989.4e12)
+    slice_traffic = 2 * 8 * 1024 * 50257 * (1 + 50264 / 50257)
+    with_slice = view.est_padded_seconds + slice_traffic / 3.35e12
+    assert with_slice > copy.est_seconds == copy.est_padded_seconds
+    assert dict(copy.skipped)["N"] == (f"N 50257→50264: cost model {with_slice * 1e6:.3g} µs "
+                                       f"padded vs {copy.est_seconds * 1e6:.3g} µs unpadded")
+
+
+def test_choosing_the_best_subset_of_dims_is_idempotent_on_the_chosen_shapes():
+    # a dim the first run refused is refused again once the chosen dims are aligned
+    for shapes in [((4096, 4095), (4095, 11007), (4096, 11007)),
+                   ((64, 100), (100, 37), (64, 37)), ((2, 3000), (3000, 5), (2, 5))]:
+        g = _gemm_graph(*shapes)
+        first = plan_padding(g).ops["mm"]
+        padded = {d.role: d.padded for d in first.dims}
+        a, b, y = shapes
+        a = (*a[:-1], padded.get("K", a[-1]))
+        b = (padded.get("K", b[0]), padded.get("N", b[1]))
+        y = (*y[:-1], padded.get("N", y[-1]))
+        second = plan_padding(_gemm_graph(a, b, y)).ops["mm"]
+        assert not second.dims, (shapes, first.dims, second.dims)
+
+
+def test_input_from_a_producer_that_refuses_n_is_charged_its_runtime_pad():
+    # h = x·W1 [512, 37] is also read by a softmax: its N pad would need a slice copy of h
+    # (refused). y = relu(h)·W2 then needs a runtime Pad of relu(h) to pad K: the cost
+    # model must charge it (fixed point over refusing producers), which refuses K too.
+    b = Builder(np.random.default_rng(11))
+    x = b.input((512, 24))
+    h = b.linear(x, 37, bias=False)
+    b.softmax(h)
+    y = b.linear(b.unary(h, "relu"), 64, bias=False)
+    plan = plan_padding(b.g)
+    assert not plan.padded_ops
+    second = plan.ops[b.g.producer[y]]
+    # hand-derived (fp16: 2 bytes): K 37→40 on relu(h) [512, 37], W2 [37, 64], y [512, 64]
+    unpadded = 2 * (512 * 37 + 37 * 64 + 512 * 64) * 1.6 / 3.35e12
+    padded = (2 * (512 * 40 + 40 * 64 + 512 * 64) + 2 * 512 * (37 + 40)) / 3.35e12
+    assert second.est_seconds == pytest.approx(unpadded)
+    assert dict(second.skipped)["K"] == (f"K 37→40: cost model {padded * 1e6:.3g} µs padded "
+                                         f"vs {unpadded * 1e6:.3g} µs unpadded")
+    assert_padded_equals_unpadded(b, [y], plan)
