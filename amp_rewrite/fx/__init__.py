@@ -121,6 +121,7 @@ def rewrite_graph(gm: torch.fx.GraphModule, *, dtype: torch.dtype | str = torch.
     on 'cpu' the ``torch_cpu.toml`` overlay moves to gray the ops CPU kernels compute in fp32
     internally (norms, softmax, interpolation: CPU autocast runs them low too), norms read
     fp32 weights with low data, and ``softmax(dtype=float32)`` counts its input conversion.
+    ``emulate_gemms``: as in ``rewrite`` (CPU GEMM emulation, ``fx/lowering.py``).
     """
     _check_rewrite_arguments(dtype=dtype, keep_fp32=keep_fp32, keep_io_types=keep_io_types,
                              device=device, autocast_floor=autocast_floor)
