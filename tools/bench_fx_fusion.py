@@ -29,8 +29,9 @@ Four parts (each prints a table; all results go to one JSON file):
   of ours vs autocast eager.
 
 Usage: ``.venv/bin/python tools/bench_fx_fusion.py [--parts accuracy,kernels,step,attention]
-[--steps 20] [--layers 4] [--seeds 3] [--threads N] [--skip-low-eager] [--json out.json]``. The run on a small shared machine takes
-minutes (``step`` dominates); keep other work off the machine while it runs.
+[--steps 20] [--layers 4] [--seeds 3] [--threads N] [--skip-low-eager] [--json out.json]``.
+The run on a small shared machine takes minutes (``step`` dominates); keep other work off
+the machine while it runs.
 """
 from __future__ import annotations
 
@@ -440,7 +441,8 @@ def main(argv: list[str] | None = None) -> int:
                      "load_at_start": os.getloadavg()}
     parts = args.parts.split(",")
     if "accuracy" in parts:
-        print("== RMS relative error vs FP32, mean/max over seeds: fused (+GEMM emulation where the device default), fused without emulation, unfused, autocast ==")
+        print("== RMS relative error vs FP32, mean/max over seeds: fused (+ the device's default "
+              "GEMM emulation), fused without emulation, unfused, autocast ==")
         results["accuracy"] = accuracy_part(args.seeds, args.models.split(","))
     if "attention" in parts:
         print("== attention: SDPA calls and peak forward memory at seq 1024 ==")

@@ -189,7 +189,8 @@ def test_keep_fp32_pins_by_node_name_and_by_module_path():
     assert out_dtype(node(by_name, "linear")) == torch.float16
     by_path = amp_rewrite.rewrite(Block(), args, keep_fp32=["out"], emulate_gemms=False)
     assert out_dtype(node(by_path, "linear_3")) == torch.float32
-    one = amp_rewrite.rewrite(Block(), args, keep_fp32="linear_1", emulate_gemms=False)  # one pattern, not 8 chars
+    one = amp_rewrite.rewrite(Block(), args, keep_fp32="linear_1",  # one pattern, not 8 chars
+                              emulate_gemms=False)
     assert out_dtype(node(one, "linear_1")) == torch.float32
     assert out_dtype(node(one, "linear")) == torch.float16
 
