@@ -2,30 +2,36 @@
 
 Four parts (each prints a table; all results go to one JSON file):
 
-* ``accuracy``: every zoo model at bf16 and fp16, relative error vs FP32 of the fused and
-  the unfused rewrite and of ``torch.autocast`` (regions run as Inductor would be asked to
-  run them unless ``AMP_REWRITE_FUSED_BACKEND=eager``).
-
+* ``accuracy``: every zoo model at bf16 and fp16, ``--seeds`` seeds (weights and inputs),
+  RMS relative error vs FP32 (mean and max over seeds) of the fused rewrite (with the
+  device's default GEMM emulation), the fused rewrite without emulation, the unfused rewrite
+  and ``torch.autocast`` (regions run compiled unless ``AMP_REWRITE_FUSED_BACKEND=eager``;
+  compiled regions keep every cast's rounding, so both give the same numbers).
 * ``kernels``: compute kernels per training step (forward + loss + backward, one step after
   warm-up, ``torch.profiler`` on CPU, same inputs) of ``amp_rewrite.rewrite`` with fusion
   (Inductor-compiled regions) vs without vs ``torch.autocast`` eager, on zoo configs. A kernel
   is an ATen op event with no ATen compute op below it (allocations and views do not count),
   or one Inductor-generated C++ kernel (``cpp.enable_kernel_profile``); so autocast's own
   casts, hidden inside each op's autocast wrapper, count as the copies they are.
-* ``step``: CPU training-step time (median of ``--steps`` after warm-up) at bf16 on a
+* ``step``: CPU training-step time (median of ``--steps`` after warm-up, all sides
+  interleaved round-robin in one process; host load before/after printed) at bf16 on a
   BERT-shaped and a GPT-2-shaped stack (default BERT-base / GPT-2 small: ``--hidden 768
-  --heads 12 --layers 4 --seq 128 --batch 8``; CPUs without bf16 GEMM instructions run bf16
-  GEMMs ~60x slower than fp32, so pass smaller shapes there): rewrite + fusion +
-  ``AmpOptimizer``, ``torch.autocast`` + ``GradScaler`` eager, FP32 eager, ``torch.compile`` of the autocast model; plus the one-time compile
-  seconds of our regions and of ``torch.compile``.
+  --heads 12 --layers 4 --seq 128 --batch 8``): rewrite + fusion + ``AmpOptimizer`` with the
+  device's default GEMM emulation (``fx/lowering.py``) AND with emulation off (fusion only,
+  the same bf16 kernels as autocast), ``torch.autocast`` + ``GradScaler`` eager, FP32 eager,
+  ``torch.compile`` of the autocast model; plus the one-time compile seconds of our regions
+  and of ``torch.compile``. On CPUs without bf16 GEMM instructions PyTorch's bf16 GEMMs run
+  ~150x slower than fp32, so the sides that use them take minutes a step at BERT-base
+  shapes: pass smaller shapes, or ``--skip-low-eager`` to time only ours and FP32 there.
 * ``attention``: SDPA calls per zoo model (one per attention block expected) and peak forward
   memory at seq 1024 (profiler memory events: the maximum of the running sum of
   allocations and frees)
   of ours vs autocast eager.
 
 Usage: ``.venv/bin/python tools/bench_fx_fusion.py [--parts accuracy,kernels,step,attention]
-[--steps 20] [--layers 4] [--json fx_fusion.json]``. The run on a small shared machine takes
-minutes (``step`` dominates); keep other work off the machine while it runs.
+[--steps 20] [--layers 4] [--seeds 3] [--threads N] [--skip-low-eager] [--json out.json]``.
+The run on a small shared machine takes minutes (``step`` dominates); keep other work off
+the machine while it runs.
 """
 from __future__ import annotations
 
@@ -33,6 +39,7 @@ import argparse
 import copy
 import json
 import logging
+import os
 import statistics
 import sys
 import time
@@ -114,17 +121,24 @@ def kernels_part() -> list[dict]:
         kw = {"example_kwargs": model.kwargs, "dtype": DTYPE}
         fused = amp_rewrite.rewrite(model.module, model.args, **kw)
         flat = amp_rewrite.rewrite(model.module, model.args, fuse=False, **kw)
+        plain = amp_rewrite.rewrite(model.module, model.args, emulate_gemms=False, **kw)
         eager = copy.deepcopy(model.module)
         row = {"model": name,
                "ours_fused": _profile_step(_train_step(fused, model.args, model.kwargs)),
+               "ours_fused_no_emulation": _profile_step(_train_step(plain, model.args,
+                                                                    model.kwargs)),
                "ours_unfused": _profile_step(_train_step(flat, model.args, model.kwargs)),
                "autocast_eager": _profile_step(_train_step(eager, model.args, model.kwargs,
                                                            autocast=True)),
                "regions": fused.amp_report["fused"]}
         row["ratio"] = round(row["ours_fused"] / row["autocast_eager"], 3)
+        row["ratio_no_emulation"] = round(row["ours_fused_no_emulation"]
+                                          / row["autocast_eager"], 3)
         rows.append(row)
-        print(f"{name:8s} fused {row['ours_fused']:5d}  unfused {row['ours_unfused']:5d}  "
-              f"autocast {row['autocast_eager']:5d}  ratio {row['ratio']:.2f}", flush=True)
+        print(f"{name:8s} fused {row['ours_fused']:5d} (no emulation "
+              f"{row['ours_fused_no_emulation']:5d})  unfused {row['ours_unfused']:5d}  "
+              f"autocast {row['autocast_eager']:5d}  ratio {row['ratio']:.2f} (no emulation "
+              f"{row['ratio_no_emulation']:.2f})", flush=True)
     return rows
 
 
@@ -155,18 +169,47 @@ class _Hidden(torch.nn.Module):
         return self.model(input_ids=input_ids, **self.extra).last_hidden_state
 
 
-def _median_step(step, steps: int) -> float:
-    step()
-    step()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
+def _interleaved_medians(steps: dict, count: int) -> dict[str, float]:
+    """Median seconds per step of each side, measured round-robin in one process (a busy
+    shared host slows every side alike), after two warm-up steps each."""
+    for step in steps.values():
         step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        step()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(count):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _ours_step(base: torch.nn.Module, ids: torch.Tensor, emulate: bool | None):
+    ours = amp_rewrite.rewrite(copy.deepcopy(base), (ids,), dtype=DTYPE, emulate_gemms=emulate)
+    opt = AmpOptimizer(torch.optim.SGD(ours.parameters(), lr=1e-4), dtype=DTYPE)
+
+    def step() -> None:
+        opt.zero_grad()
+        opt.backward(_loss(ours(ids)))
+        opt.step()
+    return ours, step
+
+
+def _first_step_seconds(step) -> tuple[float, float]:
+    """(first step's seconds, seconds of it spent compiling our regions)."""
+    before = pointwise.compile_stats()["compile_seconds"]
+    start = time.perf_counter()
+    step()
+    return (round(time.perf_counter() - start, 2),
+            round(pointwise.compile_stats()["compile_seconds"] - before, 2))
 
 
 def step_part(steps: int, shape: argparse.Namespace) -> list[dict]:
+    """Ours with fusion only (GEMM emulation off: same bf16 kernels as autocast) and with
+    fusion + fp32 emulation of the bf16 GEMMs (``fx/lowering.py``; on by default on CPUs
+    without bf16 GEMM), autocast + GradScaler eager, FP32 eager, torch.compile(autocast):
+    all in one process, interleaved. ``--skip-low-eager`` drops the sides that run PyTorch's
+    bf16 GEMMs (autocast, fusion only, compiled autocast) where those take minutes a step."""
     rows = []
     for kind in ("bert", "gpt2"):
         torch.manual_seed(0)
@@ -176,43 +219,47 @@ def step_part(steps: int, shape: argparse.Namespace) -> list[dict]:
                 module.p = 0.0
         ids = torch.randint(0, 8192, (shape.batch, shape.seq),
                             generator=torch.Generator().manual_seed(1))
-        row = {"model": f"{kind} (hidden {shape.hidden}, {shape.layers} layers, seq "
-                        f"{shape.seq}, batch {shape.batch})"}
-
-        ours = amp_rewrite.rewrite(copy.deepcopy(base), (ids,), dtype=DTYPE)
-        opt = AmpOptimizer(torch.optim.SGD(ours.parameters(), lr=1e-4), dtype=DTYPE)
-
-        def ours_step() -> None:
-            opt.zero_grad()
-            opt.backward(_loss(ours(ids)))
-            opt.step()
-
-        before = pointwise.compile_stats()["compile_seconds"]
-        start = time.perf_counter()
-        ours_step()
-        row["ours_first_step_s"] = round(time.perf_counter() - start, 2)
-        row["ours_region_compile_s"] = round(pointwise.compile_stats()["compile_seconds"]
-                                             - before, 2)
+        row = {"model": f"{kind} (hidden {shape.hidden}, {shape.heads} heads, {shape.layers} "
+                        f"layers, seq {shape.seq}, batch {shape.batch})",
+               "load_before": os.getloadavg()[0]}
+        sides = {}
+        ours, sides["ours_fused_emulated"] = _ours_step(base, ids, None)
+        row["emulated_gemms"] = ours.amp_report["emulated_gemms"]
         row["ours_regions"] = ours.amp_report["fused"]
-        row["ours_s"] = _median_step(ours_step, steps)
-
-        print(f"  ours done ({row['ours_s']:.3f}s)", flush=True)
-        row["autocast_s"] = _median_step(_eager_step(copy.deepcopy(base), ids, True), steps)
-        row["fp32_s"] = _median_step(_eager_step(copy.deepcopy(base), ids, False), steps)
-        compiled = torch.compile(copy.deepcopy(base))
-        step = _eager_step(compiled, ids, True)
-        start = time.perf_counter()
-        step()
-        row["compile_first_step_s"] = round(time.perf_counter() - start, 2)
-        row["compiled_autocast_s"] = _median_step(step, steps)
-        row["speedup_vs_autocast"] = round(row["autocast_s"] / row["ours_s"], 3)
+        row["ours_first_step_s"], row["ours_region_compile_s"] = _first_step_seconds(
+            sides["ours_fused_emulated"])
+        sides["fp32_eager"] = _eager_step(copy.deepcopy(base), ids, False)
+        if not shape.skip_low_eager:
+            _, sides["ours_fused_only"] = _ours_step(base, ids, False)
+            row["ours_fused_only_first_step_s"], _ = _first_step_seconds(
+                sides["ours_fused_only"])
+            sides["autocast_eager"] = _eager_step(copy.deepcopy(base), ids, True)
+            compiled = _eager_step(torch.compile(copy.deepcopy(base)), ids, True)
+            start = time.perf_counter()
+            compiled()
+            row["compile_first_step_s"] = round(time.perf_counter() - start, 2)
+            sides["compiled_autocast"] = compiled
+        row.update({f"{k}_s": round(v, 4) for k, v in _interleaved_medians(sides, steps).items()})
+        row["load_after"] = os.getloadavg()[0]
+        if "autocast_eager_s" in row:
+            for side in ("ours_fused_emulated", "ours_fused_only"):
+                row[f"speedup_{side}"] = round(row["autocast_eager_s"] / row[f"{side}_s"], 3)
         rows.append(row)
-        print(f"{row['model']}: ours {row['ours_s']:.3f}s  autocast {row['autocast_s']:.3f}s  "
-              f"fp32 {row['fp32_s']:.3f}s  compiled autocast {row['compiled_autocast_s']:.3f}s"
-              f"  speed-up vs autocast {row['speedup_vs_autocast']:.2f}x  (our regions "
-              f"compile {row['ours_region_compile_s']}s, torch.compile first step "
-              f"{row['compile_first_step_s']}s)", flush=True)
+        print(_step_line(row), flush=True)
     return rows
+
+
+def _step_line(row: dict) -> str:
+    parts = [f"{k.removesuffix('_s')} {row[k]:.3f}s" for k in row
+             if k.endswith("_s") and not k.endswith("first_step_s")
+             and not k.endswith("compile_s")]
+    ratios = [f"{k.removeprefix('speedup_')} {row[k]:.2f}x vs autocast" for k in row
+              if k.startswith("speedup_")]
+    return (f"{row['model']}: " + "  ".join(parts + ratios)
+            + f"  (our regions compile {row['ours_region_compile_s']}s"
+            + (f", torch.compile first step {row['compile_first_step_s']}s"
+               if "compile_first_step_s" in row else "")
+            + f"; load {row['load_before']:.1f} -> {row['load_after']:.1f})")
 
 
 def _eager_step(model, ids, autocast: bool):
@@ -304,27 +351,64 @@ def _relative_errors(out, ref: torch.Tensor) -> tuple[float, float]:
     return (diff.abs().max() / ref.abs().max()).item(), (diff.norm() / ref.norm()).item()
 
 
-def accuracy_part() -> list[dict]:
-    """Every zoo model, bf16 and fp16: fused vs unfused rewrite vs autocast, against FP32."""
-    rows = []
-    for name in zoo.NAMES:
-        model = zoo.build(name)
+_ACCURACY_SIDES = {"fused": {}, "fused_no_emulation": {"emulate_gemms": False},
+                   "unfused": {"fuse": False}}
+
+
+def _seeded(name: str, seeds: int) -> list:
+    """The zoo model with weights and inputs from each seed."""
+    return [zoo.build(name, seed=seed) for seed in range(seeds)]
+
+
+def _errors_over_seeds(run, models) -> list[float]:
+    """RMS relative error vs FP32 of ``run(model)`` for each seeded model."""
+    errors = []
+    for model in models:
         with torch.no_grad():
             ref = _first(model.run()).float()
+            errors.append(_relative_errors(run(model), ref)[1])
+    return errors
+
+
+def _rewritten_runner(models, dtype: torch.dtype, options: dict):
+    """One rewrite (seed 0's capture), each seed's weights loaded into it."""
+    gm = amp_rewrite.rewrite(models[0].module, models[0].args,
+                             example_kwargs=models[0].kwargs, dtype=dtype, **options)
+
+    def run(model):
+        gm.load_state_dict(model.module.state_dict())
+        return gm(*model.args, **model.kwargs)
+    return run
+
+
+def accuracy_part(seeds: int, names: list[str]) -> list[dict]:
+    """Every zoo model, bf16 and fp16, ``seeds`` seeds: RMS relative error vs FP32 (mean and
+    max over seeds) of the fused rewrite (GEMM emulation as the device default), the fused
+    rewrite without GEMM emulation, the unfused rewrite and torch.autocast."""
+    rows = []
+    for name in names:
+        models = _seeded(name, seeds)
         for dtype in (torch.bfloat16, torch.float16):
-            row = {"model": name, "dtype": str(dtype).removeprefix("torch.")}
-            for label, fuse in (("fused", True), ("unfused", False)):
-                gm = amp_rewrite.rewrite(model.module, model.args, example_kwargs=model.kwargs,
-                                         dtype=dtype, fuse=fuse)
-                with torch.no_grad():
-                    row[label] = _relative_errors(gm(*model.args, **model.kwargs), ref)
-            with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
-                row["autocast"] = _relative_errors(model.module(*model.args, **model.kwargs),
-                                                   ref)
+            row = {"model": name, "dtype": str(dtype).removeprefix("torch."), "seeds": seeds}
+            for label, options in _ACCURACY_SIDES.items():
+                row[label] = _errors_over_seeds(_rewritten_runner(models, dtype, options),
+                                                models)
+
+            def autocast_run(model, dtype=dtype):
+                with torch.autocast("cpu", dtype=dtype):
+                    return model.module(*model.args, **model.kwargs)
+            row["autocast"] = _errors_over_seeds(autocast_run, models)
+            row["summary"] = {k: {"mean": statistics.mean(row[k]), "max": max(row[k])}
+                              for k in (*_ACCURACY_SIDES, "autocast")}
+            for side in ("fused", "fused_no_emulation"):
+                floor = min(row["summary"]["unfused"]["mean"],
+                            row["summary"]["autocast"]["mean"])
+                row[f"{side}_ratio"] = round(row["summary"][side]["mean"] / floor, 3)
             rows.append(row)
             print(f"{name:16s} {row['dtype']:8s} " + "  ".join(
-                f"{k} {row[k][0]:.2e}/{row[k][1]:.2e}" for k in ("fused", "unfused",
-                                                                  "autocast")), flush=True)
+                f"{k} {v['mean']:.2e}/{v['max']:.2e}" for k, v in row["summary"].items())
+                + f"  fused/min(unfused,autocast) {row['fused_ratio']:.3f}"
+                f"  no-emulation {row['fused_no_emulation_ratio']:.3f}", flush=True)
     return rows
 
 
@@ -337,15 +421,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--skip-low-eager", action="store_true",
+                        help="step: only ours (fusion + GEMM emulation) and FP32 eager; for "
+                             "shapes where PyTorch's bf16 GEMMs take minutes a step")
+    parser.add_argument("--seeds", type=int, default=3,
+                        help="accuracy: weights and inputs drawn from this many seeds")
+    parser.add_argument("--models", default=",".join(zoo.NAMES),
+                        help="accuracy: zoo models, comma-separated")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--json", default="fx_fusion.json")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     results: dict = {"torch": torch.__version__, "threads": torch.get_num_threads(),
-                     "dtype": str(DTYPE)}
+                     "dtype": str(DTYPE), "cpus": os.cpu_count(),
+                     "native_bf16_gemm": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+                     "load_at_start": os.getloadavg()}
     parts = args.parts.split(",")
     if "accuracy" in parts:
-        print("== relative error vs FP32 (max-norm / RMS), fused vs unfused vs autocast ==")
-        results["accuracy"] = accuracy_part()
+        print("== RMS relative error vs FP32, mean/max over seeds: fused (+ the device's default "
+              "GEMM emulation), fused without emulation, unfused, autocast ==")
+        results["accuracy"] = accuracy_part(args.seeds, args.models.split(","))
     if "attention" in parts:
         print("== attention: SDPA calls and peak forward memory at seq 1024 ==")
         results["attention"] = attention_part()

@@ -23,6 +23,9 @@ from amp_rewrite.fx import guards
 from amp_rewrite.fx.capture import capture as capture_module
 from amp_rewrite.fx.capture import refresh_fake_values
 from amp_rewrite.fx.fusion import FUSED_FROM, FUSED_TAG, FuseAttention, FuseNorms, FuseTanhGelu
+from amp_rewrite.fx.lowering import (LOWERED_TAG, EmulateLowKernels, RestoreLowKernels,
+                                     native_low_gemm)
+from amp_rewrite.fx.lowering import explanation as lowering_explanation
 from amp_rewrite.fx.modes import TrainEvalModule, in_mode
 from amp_rewrite.fx.pad import PadGemms
 from amp_rewrite.fx.passes import (FunctionalizeInPlace, InlineModules, MixedPrecisionOptions,
@@ -45,7 +48,8 @@ def rewrite(model: torch.nn.Module, example_inputs: Any = None, *,
             keep_fp32: Iterable[str] = (), keep_io_types: bool = True,
             device: str | None = None, autocast_floor: bool = True,
             mode: str | None = None, pad: bool | PadPolicy | None = None,
-            fuse: bool = True) -> torch.fx.GraphModule | TrainEvalModule:
+            fuse: bool = True, emulate_gemms: bool | None = None
+            ) -> torch.fx.GraphModule | TrainEvalModule:
     """Capture ``model`` and return a trainable mixed-precision ``GraphModule``.
 
     ``dtype``: torch.float16 / torch.bfloat16 (or 'fp16' / 'bf16'). ``capture``: 'export'
@@ -67,6 +71,10 @@ def rewrite(model: torch.nn.Module, example_inputs: Any = None, *,
     ``fuse``: fuse attention, norms and GELU into ATen kernels before the plan and pointwise
     regions (casts included) into Inductor-compiled submodules after it (``fx/fusion.py``,
     ``fx/pointwise.py``); False gives the unfused graph.
+    ``emulate_gemms``: run the GEMMs, convolutions and attention the plan makes low as fp32
+    kernels on low-rounded operands, output rounded to the low dtype (``fx/lowering.py``: the
+    low kernel's numerics class at fp32 speed); None: on when ``fuse`` and the device is a CPU
+    without native bf16/fp16 GEMM instructions, off on CUDA.
     The user's module is never mutated; the result owns copies of its parameters.
     """
     _check_rewrite_arguments(dtype=dtype, keep_fp32=keep_fp32, keep_io_types=keep_io_types,
@@ -80,20 +88,23 @@ def rewrite(model: torch.nn.Module, example_inputs: Any = None, *,
         return _rewrite_train_and_eval(
             model, example_inputs, example_kwargs=example_kwargs, dtype=dtype, capture=capture,
             dynamic_shapes=dynamic_shapes, rules=rules, keep_fp32=keep_fp32,
-            keep_io_types=keep_io_types, device=device, autocast_floor=autocast_floor, pad=pad)
+            keep_io_types=keep_io_types, device=device, autocast_floor=autocast_floor, pad=pad,
+            fuse=fuse, emulate_gemms=emulate_gemms)
     if mode is not None:
         with in_mode(model, mode):
             return rewrite(model, example_inputs, example_kwargs=example_kwargs, dtype=dtype,
                            capture=capture, dynamic_shapes=dynamic_shapes, rules=rules,
                            keep_fp32=keep_fp32, keep_io_types=keep_io_types, device=device,
-                           autocast_floor=autocast_floor, pad=pad)
+                           autocast_floor=autocast_floor, pad=pad, fuse=fuse,
+                           emulate_gemms=emulate_gemms)
     start = time.perf_counter()
     gm = capture_module(model, () if example_inputs is None else example_inputs,
                         example_kwargs, mode=capture, dynamic_shapes=dynamic_shapes)
     captured = time.perf_counter()
     gm = rewrite_graph(gm, dtype=dtype, rules=rules, keep_fp32=keep_fp32,
                        keep_io_types=keep_io_types, device=device,
-                       autocast_floor=autocast_floor, pad=pad, fuse=fuse)
+                       autocast_floor=autocast_floor, pad=pad, fuse=fuse,
+                       emulate_gemms=emulate_gemms)
     gm.amp_report["capture_seconds"] = round(captured - start, 4)
     return gm
 
@@ -102,13 +113,15 @@ def rewrite_graph(gm: torch.fx.GraphModule, *, dtype: torch.dtype | str = torch.
                   rules: Iterable[str] = (), keep_fp32: Iterable[str] = (),
                   keep_io_types: bool = True, device: str | None = None,
                   autocast_floor: bool = True, pad: bool | PadPolicy | None = None,
-                  fuse: bool = True) -> torch.fx.GraphModule:
+                  fuse: bool = True, emulate_gemms: bool | None = None
+                  ) -> torch.fx.GraphModule:
     """Run the passes on a captured GraphModule (``meta['val']`` on its nodes), in place.
 
     ``device`` (default: the device type of the graph's example values) selects kernel facts:
     on 'cpu' the ``torch_cpu.toml`` overlay moves to gray the ops CPU kernels compute in fp32
     internally (norms, softmax, interpolation: CPU autocast runs them low too), norms read
     fp32 weights with low data, and ``softmax(dtype=float32)`` counts its input conversion.
+    ``emulate_gemms``: as in ``rewrite`` (CPU GEMM emulation, ``fx/lowering.py``).
     """
     _check_rewrite_arguments(dtype=dtype, keep_fp32=keep_fp32, keep_io_types=keep_io_types,
                              device=device, autocast_floor=autocast_floor)
@@ -116,7 +129,8 @@ def rewrite_graph(gm: torch.fx.GraphModule, *, dtype: torch.dtype | str = torch.
     device = arguments.device_type(device) or graph_device(gm)
     overlays = [default_rules_path("torch_cpu")] if device == "cpu" else []
     rule_set = load_rules("torch", extra_files=[*overlays, *listed(rules)])
-    unfused = UnfuseRegions()(gm).modified  # a second rewrite plans on the flat graph
+    # a second rewrite plans on the flat graph with its low kernels
+    unfused = UnfuseRegions()(gm).modified | RestoreLowKernels()(gm).modified
     foreign_notes = _prepare_dtypes(gm, _TORCH_DTYPES[low], rule_set, keep_io_types, device)
     options = MixedPrecisionOptions(rule_set, _TORCH_DTYPES[low], low.max_finite,
                                     listed(keep_fp32), keep_io_types, device, autocast_floor)
@@ -132,11 +146,13 @@ def rewrite_graph(gm: torch.fx.GraphModule, *, dtype: torch.dtype | str = torch.
         amp = MixedPrecisionPass(options)
         amp(gm)
         padding = _pad(gm, device == "cuda" if pad is None else pad)  # a policy is truthy
+        emulated = _emulate_gemms(gm, _TORCH_DTYPES[low], device, fuse, emulate_gemms)
         pointwise = FusePointwise()
         if fuse:  # DESIGN §4: pointwise fusion last, casts and pads included
             pointwise(gm)
     gm.meta[EXPLAIN_KEY] = _with_fusions(gm, amp.explanations())
     gm.amp_report = {**amp.report(), "device": device, "padding": padding,
+                     "emulated_gemms": emulated,
                      "fused": _fused_summary(gm, pointwise),
                      "seconds": round(time.perf_counter() - start, 4)}
     _true_notes(gm.amp_report, foreign_notes)
@@ -197,6 +213,21 @@ def _pad(gm: torch.fx.GraphModule, enabled: bool | PadPolicy) -> dict:
     return pad.report()
 
 
+def _emulate_gemms(gm: torch.fx.GraphModule, low: torch.dtype, device: str, fuse: bool,
+                   requested: bool | None) -> dict:
+    """Low GEMMs/convs/SDPA as fp32 kernels on low-rounded operands (``fx/lowering.py``)
+    where the device has no fast low kernels; the report's section."""
+    native = native_low_gemm(low, device)
+    enabled = (fuse and not native) if requested is None else requested
+    if not enabled:
+        return {"enabled": False, "native_low_gemm": native}
+    emulate = EmulateLowKernels()
+    emulate(gm)
+    return {"enabled": True, "native_low_gemm": native, "kernels": emulate.lowered,
+            "why": "fp32 kernels on low-rounded operands: this device has no native "
+                   f"{str(low).removeprefix('torch.')} GEMM" if not native else "requested"}
+
+
 def _pattern_passes(fuse: bool) -> list:
     """Pattern fusion before the plan beside the GELU one (which runs either way, as before)."""
     return [FuseAttention(), FuseNorms()] if fuse else []
@@ -227,6 +258,9 @@ def _with_fusions(gm: torch.fx.GraphModule,
         line = (f"{node.name}: fused {node.meta[FUSED_TAG]} pattern (replaced "
                 f"{node.meta[FUSED_FROM]})")
         explanations[node.name] = [line, *explanations.get(node.name, [])]
+    for node in gm.graph.nodes:
+        if node.meta.get(LOWERED_TAG) == "kernel":
+            explanations.setdefault(node.name, []).append(lowering_explanation(node))
     return explanations
 
 

@@ -151,7 +151,10 @@ def _compile(region: torch.fx.GraphModule, args: Sequence[torch.Tensor]) -> Call
 
     start = time.perf_counter()
     try:
-        compiled = compile_fx(copy.deepcopy(region), list(args))
+        # keep every cast's rounding: by default Inductor computes a fp32 → bf16 → fp32 chain
+        # inside one kernel without rounding (measured), which is not the plan's numerics
+        compiled = compile_fx(copy.deepcopy(region), list(args),
+                              config_patches={"emulate_precision_casts": True})
     except Exception as e:  # noqa: BLE001 - any compiler failure: run eager, say so once
         _STATE["broken"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         log.warning("fused pointwise regions run eager: Inductor could not compile them (%s)",
@@ -193,7 +196,11 @@ class FusePointwise(PassBase):
         partitions = [p for p in partitioner.propose_partitions() if len(p.nodes) > 1]
         if not partitions:
             return PassResult(graph_module, False)
-        fuse_by_partitions(graph_module, [dict.fromkeys(p.nodes) for p in partitions],
+        # fuse_by_partitions orders a region's inputs by its nodes' order in the list it gets:
+        # by name, so they do not depend on where earlier passes happened to put the nodes
+        # (a second rewrite re-inlines the regions elsewhere and must give the same code)
+        fuse_by_partitions(graph_module,
+                           [dict.fromkeys(sorted(p.nodes, key=_name_key)) for p in partitions],
                            prefix=_TEMP_PREFIX)
         calls = [n for n in graph_module.graph.nodes
                  if n.op == "call_module" and n.target.startswith(_TEMP_PREFIX)]
@@ -211,6 +218,12 @@ class FusePointwise(PassBase):
 
     def summary(self) -> dict[str, int]:
         return {"regions": len(self.regions), "distinct_regions": len(set(self.regions))}
+
+
+def _name_key(node: Node) -> tuple[str, int]:
+    """``add_10`` after ``add_9``: the same order in every layer of a stack."""
+    base, _, number = node.name.rpartition("_")
+    return (base, int(number)) if base and number.isdigit() else (node.name, -1)
 
 
 def _name_outputs(call: Node) -> None:

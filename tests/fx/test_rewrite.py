@@ -49,7 +49,8 @@ def block_inputs(batch: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("dtype", LOW)
 def test_outputs_match_fp32_within_tolerance(dtype):
     module, args = Block().eval(), block_inputs()
-    gm = amp_rewrite.rewrite(module, args, dtype=dtype)
+    # the plan's GEMM dtype; tests/fx/test_lowering.py covers the CPU GEMM emulation
+    gm = amp_rewrite.rewrite(module, args, dtype=dtype, emulate_gemms=False)
     with torch.no_grad():
         error = relative_error(gm(*args), module(*args))
     assert error < TOL[dtype]
@@ -149,7 +150,7 @@ def test_works_under_torch_compile():
 
 def test_result_can_be_exported_again():
     args = block_inputs()
-    gm = amp_rewrite.rewrite(Block(), args)
+    gm = amp_rewrite.rewrite(Block(), args, emulate_gemms=False)  # the plan's casts only
     program = torch.export.export(gm, args, strict=False)
     conversions = [n for n in program.graph.nodes if n.target is torch.ops.aten._to_copy.default]
     assert len(conversions) == len(casts(gm))
@@ -183,12 +184,13 @@ def test_dynamic_batch_dimension_keeps_working():
 
 def test_keep_fp32_pins_by_node_name_and_by_module_path():
     args = block_inputs()
-    by_name = amp_rewrite.rewrite(Block(), args, keep_fp32=["linear_1"])
+    by_name = amp_rewrite.rewrite(Block(), args, keep_fp32=["linear_1"], emulate_gemms=False)
     assert out_dtype(node(by_name, "linear_1")) == torch.float32
     assert out_dtype(node(by_name, "linear")) == torch.float16
-    by_path = amp_rewrite.rewrite(Block(), args, keep_fp32=["out"])
+    by_path = amp_rewrite.rewrite(Block(), args, keep_fp32=["out"], emulate_gemms=False)
     assert out_dtype(node(by_path, "linear_3")) == torch.float32
-    one = amp_rewrite.rewrite(Block(), args, keep_fp32="linear_1")  # one pattern, not 8 chars
+    one = amp_rewrite.rewrite(Block(), args, keep_fp32="linear_1",  # one pattern, not 8 chars
+                              emulate_gemms=False)
     assert out_dtype(node(one, "linear_1")) == torch.float32
     assert out_dtype(node(one, "linear")) == torch.float16
 
@@ -316,7 +318,7 @@ def test_explain_prints_the_reasons_for_one_node(capsys):
 
 
 def test_report_has_the_onnx_report_schema():
-    gm = amp_rewrite.rewrite(Block(), block_inputs())
+    gm = amp_rewrite.rewrite(Block(), block_inputs(), emulate_gemms=False)
     report = gm.amp_report
     assert {"dtype", "nodes", "casts_inserted", "precision_counts", "unlisted_ops",
             "modified", "seconds", "capture_seconds"} <= set(report)

@@ -151,7 +151,7 @@ def test_bf16_module_under_fp16_rewrite_is_converted_like_cpu_autocast():
     model = _Classifier().to(torch.bfloat16)
     x, y = _classifier_inputs(torch.bfloat16)
     gm = amp_rewrite.rewrite(copy.deepcopy(model), (x, y), dtype=torch.float16,
-                             keep_io_types=False)
+                             keep_io_types=False, emulate_gemms=False)
     dtypes = {n.name: n.meta["val"].dtype for n in gm.graph.nodes
               if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor)}
     assert dtypes["linear"] == dtypes["linear_1"] == torch.float16  # low ops: the target dtype

@@ -1,0 +1,121 @@
+"""GEMM emulation on CPUs without bf16/fp16 GEMM units (``amp_rewrite/fx/lowering.py``).
+
+Each test compares against something the emulation did not compute: the FP32 model, the
+rewrite that keeps PyTorch's low kernel (``emulate_gemms=False``), or the eager region.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import amp_rewrite
+from amp_rewrite.fx import pointwise
+from amp_rewrite.fx.lowering import LOWERED_TAG, native_low_gemm
+
+F = nn.functional
+
+
+class _Block(nn.Module):
+    """Linear, bmm, SDPA and conv: every kernel family the emulation rewrites."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(32, 96)
+        self.conv = nn.Conv1d(32, 32, 3, padding=1)
+        self.out = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.proj(x).chunk(3, dim=-1)
+        attn = F.scaled_dot_product_attention(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1))
+        mixed = torch.bmm(attn.squeeze(1), k.transpose(1, 2)) @ v
+        return self.out(self.conv(mixed.transpose(1, 2)).transpose(1, 2) + x)
+
+
+def _rms_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_emulated_gemms_are_no_less_accurate_than_the_low_kernels_and_still_round(dtype):
+    errors = {True: [], False: []}
+    for seed in range(3):
+        torch.manual_seed(seed)
+        block, x = _Block().eval(), torch.randn(4, 16, 32)
+        with torch.no_grad():
+            ref = block(x)
+            for emulate in (True, False):
+                gm = amp_rewrite.rewrite(block, (x,), dtype=dtype, emulate_gemms=emulate)
+                errors[emulate].append(_rms_error(gm(x), ref))
+    emulated, native = sum(errors[True]), sum(errors[False])
+    assert emulated <= 1.05 * native, errors
+    # the same numerics class, not fp32: operands and results are still rounded
+    assert emulated >= 0.7 * native, errors  # fp32 math on rounded inputs: ~0.4x
+
+
+def test_emulation_tags_every_low_kernel_and_explains_it():
+    torch.manual_seed(0)
+    block, x = _Block().eval(), torch.randn(4, 16, 32)
+    gm = amp_rewrite.rewrite(block, (x,), dtype=torch.bfloat16, emulate_gemms=True)
+    report = gm.amp_report["emulated_gemms"]
+    kernels = [n for n in gm.graph.nodes if n.meta.get(LOWERED_TAG) == "kernel"]
+    assert report["enabled"] and sum(report["kernels"].values()) == len(kernels) >= 5
+    assert {str(n.target).split(".")[1] for n in kernels} >= {
+        "linear", "scaled_dot_product_attention", "bmm", "conv1d"}
+    assert all(n.meta["val"].dtype == torch.float32 for n in kernels)
+    assert "emulated bf16 kernel" in amp_rewrite.explain(gm, kernels[0].name)[-1]
+
+
+def test_emulation_defaults_to_the_device_and_stays_off_without_fusion():
+    torch.manual_seed(0)
+    block, x = _Block().eval(), torch.randn(2, 8, 32)
+    default = amp_rewrite.rewrite(block, (x,), dtype=torch.bfloat16)
+    unfused = amp_rewrite.rewrite(block, (x,), dtype=torch.bfloat16, fuse=False)
+    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert default.amp_report["emulated_gemms"]["enabled"] is (not native)
+    assert unfused.amp_report["emulated_gemms"]["enabled"] is False
+    assert native_low_gemm(torch.float16, "cuda") and native_low_gemm(torch.bfloat16, "cuda")
+
+
+def test_second_rewrite_of_an_emulated_graph_gives_the_same_code_and_values():
+    torch.manual_seed(0)
+    block, x = _Block().eval(), torch.randn(2, 8, 32)
+    gm = amp_rewrite.rewrite(block, (x,), dtype=torch.bfloat16, emulate_gemms=True)
+    again = amp_rewrite.rewrite(gm, (x,), dtype=torch.bfloat16, emulate_gemms=True)
+    assert again.code == gm.code and again.amp_report["casts_inserted"] == 0
+    with torch.no_grad():
+        torch.testing.assert_close(again(x), gm(x), rtol=0, atol=0)
+
+
+def test_emulated_training_gradients_match_the_low_kernels_class():
+    torch.manual_seed(0)
+    block, x = _Block().train(), torch.randn(4, 16, 32)
+    block(x).square().mean().backward()
+    ref = {k: p.grad.clone() for k, p in block.named_parameters()}
+    grads = {}
+    for emulate in (True, False):
+        gm = amp_rewrite.rewrite(block, (x,), dtype=torch.bfloat16, emulate_gemms=emulate)
+        gm(x).float().square().mean().backward()
+        grads[emulate] = dict(gm.named_parameters())
+    for name, expected in ref.items():
+        emulated = _rms_error(grads[True][name].grad, expected)
+        native = _rms_error(grads[False][name].grad, expected)
+        assert emulated <= 1.5 * native + 1e-3, (name, emulated, native)
+
+
+def test_compiled_region_keeps_the_rounding_of_a_cast_round_trip(monkeypatch):
+    """Inductor by default computes x.to(bf16).to(fp32) without rounding; the regions must
+    round as the plan (and the eager region) does, or emulated GEMMs would read fp32."""
+    monkeypatch.setenv(pointwise.BACKEND_ENV, "inductor")
+    aten = torch.ops.aten
+
+    def chain(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        low = aten._to_copy.default(aten.add.Tensor(x, y), dtype=torch.bfloat16)
+        return aten.mul.Tensor(aten._to_copy.default(low, dtype=torch.float32), y)
+
+    region = pointwise.FusedRegion(torch.fx.symbolic_trace(chain))
+    x, y = torch.randn(4096), torch.randn(4096)
+    compiled = region(x, y)
+    assert pointwise.compile_stats()["compiles"] >= 1
+    torch.testing.assert_close(compiled, chain(x, y), rtol=0, atol=0)
+    assert not torch.equal(compiled, (x + y) * y)  # the rounding is visible at all
