@@ -48,7 +48,7 @@ def rewrite(model: torch.nn.Module, example_inputs: Any = None, *,
             keep_fp32: Iterable[str] = (), keep_io_types: bool = True,
             device: str | None = None, autocast_floor: bool = True,
             mode: str | None = None, pad: bool | PadPolicy | None = None,
-            fuse: bool = True, emulate_gemms: bool | None = None
+            fuse: bool = True, emulate_gemms: bool | None = False
             ) -> torch.fx.GraphModule | TrainEvalModule:
     """Capture ``model`` and return a trainable mixed-precision ``GraphModule``.
 
@@ -73,8 +73,9 @@ def rewrite(model: torch.nn.Module, example_inputs: Any = None, *,
     ``fx/pointwise.py``); False gives the unfused graph.
     ``emulate_gemms``: run the GEMMs, convolutions and attention the plan makes low as fp32
     kernels on low-rounded operands, output rounded to the low dtype (``fx/lowering.py``: the
-    low kernel's numerics class at fp32 speed); None: on when ``fuse`` and the device is a CPU
-    without native bf16/fp16 GEMM instructions, off on CUDA.
+    low kernel's numerics class at fp32 speed). Off by default: the graph keeps the low
+    kernels the plan chose. None: on when ``fuse`` and the device is a CPU without native
+    bf16/fp16 GEMM instructions (100x+ faster there), never on CUDA.
     The user's module is never mutated; the result owns copies of its parameters.
     """
     _check_rewrite_arguments(dtype=dtype, keep_fp32=keep_fp32, keep_io_types=keep_io_types,
@@ -113,7 +114,7 @@ def rewrite_graph(gm: torch.fx.GraphModule, *, dtype: torch.dtype | str = torch.
                   rules: Iterable[str] = (), keep_fp32: Iterable[str] = (),
                   keep_io_types: bool = True, device: str | None = None,
                   autocast_floor: bool = True, pad: bool | PadPolicy | None = None,
-                  fuse: bool = True, emulate_gemms: bool | None = None
+                  fuse: bool = True, emulate_gemms: bool | None = False
                   ) -> torch.fx.GraphModule:
     """Run the passes on a captured GraphModule (``meta['val']`` on its nodes), in place.
 

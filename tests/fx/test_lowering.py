@@ -66,13 +66,16 @@ def test_emulation_tags_every_low_kernel_and_explains_it():
     assert "emulated bf16 kernel" in amp_rewrite.explain(gm, kernels[0].name)[-1]
 
 
-def test_emulation_defaults_to_the_device_and_stays_off_without_fusion():
+def test_emulation_is_opt_in_and_auto_follows_the_device_and_stays_off_without_fusion():
     torch.manual_seed(0)
     block, x = _Block().eval(), torch.randn(2, 8, 32)
     default = amp_rewrite.rewrite(block, (x,), dtype=torch.bfloat16)
-    unfused = amp_rewrite.rewrite(block, (x,), dtype=torch.bfloat16, fuse=False)
+    auto = amp_rewrite.rewrite(block, (x,), dtype=torch.bfloat16, emulate_gemms=None)
+    unfused = amp_rewrite.rewrite(block, (x,), dtype=torch.bfloat16, fuse=False,
+                                  emulate_gemms=None)
     native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    assert default.amp_report["emulated_gemms"]["enabled"] is (not native)
+    assert default.amp_report["emulated_gemms"]["enabled"] is False
+    assert auto.amp_report["emulated_gemms"]["enabled"] is (not native)
     assert unfused.amp_report["emulated_gemms"]["enabled"] is False
     assert native_low_gemm(torch.float16, "cuda") and native_low_gemm(torch.bfloat16, "cuda")
 
