@@ -16,11 +16,13 @@ Adapters build this view; the core never imports torch or onnx.
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Iterator
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-import networkx as nx
 
 from amp_rewrite.core.precision import OpClass, Precision
+
+if TYPE_CHECKING:  # networkx costs 0.26 s to import; only analysis and tests use it
+    import networkx as nx
 
 SOURCE_OP = "<source>"
 SINK_OP = "<sink>"
@@ -148,6 +150,8 @@ class PrecisionGraph:
 
     def to_networkx(self) -> nx.DiGraph:
         """The bipartite graph as a DiGraph: group→value (produces), value→group (reads)."""
+        import networkx as nx
+
         g = nx.DiGraph()
         g.add_nodes_from((k, {"value": v}) for k, v in self._values.items())
         g.add_nodes_from((k, {"group": v}) for k, v in self._groups.items())

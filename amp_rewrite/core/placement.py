@@ -39,7 +39,6 @@ import itertools
 from collections.abc import Hashable
 from typing import NamedTuple
 
-import networkx as nx
 
 from amp_rewrite.core import maxflow
 from amp_rewrite.core.graph import PrecisionGraph
@@ -264,6 +263,8 @@ def _min_cut(terms: tuple[Term, ...], traffic: tuple[int, ...]) -> tuple[Precisi
 
 
 def _min_cut_networkx(terms, traffic) -> tuple[Precision, ...]:
+    import networkx as nx  # imported here: 0.26 s at startup, used only off the OR-Tools path
+
     flow = nx.DiGraph()
     flow.add_nodes_from((_S, _T, *range(len(traffic))))
 
