@@ -208,8 +208,9 @@ def step_part(steps: int, shape: argparse.Namespace) -> list[dict]:
     """Ours with fusion only (the default: same bf16 kernels as autocast) and with fusion +
     fp32 emulation of the bf16 GEMMs (``fx/lowering.py``; opt-in ``emulate_gemms=None``, on
     for CPUs without bf16 GEMM), autocast + GradScaler eager, FP32 eager,
-    torch.compile(autocast): all in one process, interleaved. ``--skip-low-eager`` drops the sides that run PyTorch's
-    bf16 GEMMs (autocast, fusion only, compiled autocast) where those take minutes a step."""
+    torch.compile(autocast): all in one process, interleaved. ``--skip-low-eager`` drops the
+    sides that run PyTorch's bf16 GEMMs (autocast, fusion only, compiled autocast) where those
+    take minutes a step."""
     rows = []
     for kind in ("bert", "gpt2"):
         torch.manual_seed(0)
