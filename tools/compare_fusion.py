@@ -92,20 +92,11 @@ def ort_session_fused(model: onnx.ModelProto) -> int | None:
 
 def ort_optimized(model: onnx.ModelProto) -> onnx.ModelProto | None:
     """onnxruntime's own optimised graph (ORT_ENABLE_EXTENDED, CPU), None if it fails."""
-    import onnxruntime as ort
-
-    with tempfile.TemporaryDirectory() as tmp:
-        options = ort.SessionOptions()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
-        options.optimized_model_filepath = os.path.join(tmp, "optimized.onnx")
-        options.log_severity_level = 4
-        try:
-            ort.InferenceSession(model.SerializeToString(), options,
-                                 providers=["CPUExecutionProvider"])
-            return onnx.load(options.optimized_model_filepath)
-        except Exception as e:  # a model ORT cannot load has no optimised graph
-            log.info("ORT cannot optimise: %s", str(e).splitlines()[0])
-            return None
+    try:
+        return peers.ort_optimized_graph(model)
+    except Exception as e:  # a model ORT cannot load has no optimised graph
+        log.info("ORT cannot optimise: %s", str(e).splitlines()[0])
+        return None
 
 
 def fused_away(fp32: onnx.ModelProto) -> set[str]:

@@ -19,15 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import TensorProto
 from onnx import helper as h
+
+from amp_rewrite.bench.peers import ort_optimized_graph
 
 HIDDEN = 16
 SHAPES = {"x": [2, 3, HIDDEN], "x4": [1, HIDDEN, 4, 4], "x2": [3, HIDDEN]}
@@ -84,20 +84,12 @@ def one_node_model(op: str, nodes, initializers) -> tuple[onnx.ModelProto, list[
 
 def verdict(op: str, model: onnx.ModelProto, inputs: list[str]) -> str:
     """How the CPU provider runs ``op`` in fp16 (see the module docstring)."""
-    import onnxruntime as ort
-
-    with tempfile.TemporaryDirectory() as tmp:
-        options = ort.SessionOptions()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
-        options.optimized_model_filepath = os.path.join(tmp, "optimized.onnx")
-        options.log_severity_level = 4
-        try:
-            session = ort.InferenceSession(model.SerializeToString(), options,
-                                           providers=["CPUExecutionProvider"])
-            session.run(None, {n: np.ones(SHAPES[n], np.float16) for n in inputs})
-        except Exception as e:  # an op the provider cannot run at all is a finding
-            return "fails: " + str(e).splitlines()[0][:100]
-        kinds = [n.op_type for n in onnx.load(options.optimized_model_filepath).graph.node]
+    feeds = {n: np.ones(SHAPES[n], np.float16) for n in inputs}
+    try:
+        optimized = ort_optimized_graph(model, feeds)
+    except Exception as e:  # an op the provider cannot run at all is a finding
+        return "fails: " + str(e).splitlines()[0][:100]
+    kinds = [n.op_type for n in optimized.graph.node]
     if op not in kinds:
         return "inlined (no fp16 kernel): " + ", ".join(sorted(set(kinds)))
     casts = kinds.count("Cast")

@@ -380,3 +380,21 @@ def available_peers(names: list[str] | None = None) -> dict[str, str | None]:
         raise UsageError(f"unknown converter(s) {unknown}; known: {sorted(CONVERTERS)}")
     return {name: CONVERTERS[name].unavailable_reason() for name in chosen}
 
+
+
+def ort_optimized_graph(model: onnx.ModelProto,
+                        feeds: dict | None = None) -> onnx.ModelProto:
+    """onnxruntime's own optimised graph of ``model`` (ORT_ENABLE_EXTENDED, CPU provider),
+    after one run on ``feeds`` if given; raises whatever onnxruntime raises."""
+    import onnxruntime as ort
+
+    with tempfile.TemporaryDirectory() as tmp:
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+        options.optimized_model_filepath = os.path.join(tmp, "optimized.onnx")
+        options.log_severity_level = 4
+        session = ort.InferenceSession(model.SerializeToString(), options,
+                                       providers=["CPUExecutionProvider"])
+        if feeds is not None:
+            session.run(None, feeds)
+        return onnx.load(options.optimized_model_filepath)

@@ -3,8 +3,6 @@ let onnx.reference check the fused ops in their declared dtype."""
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 
 import numpy as np
 import onnx
@@ -13,6 +11,7 @@ import onnx_ir as ir
 import pytest
 
 from amp_rewrite import rewrite_onnx
+from amp_rewrite.bench.peers import ort_optimized_graph
 from amp_rewrite.core import OpClass, load_rules
 from amp_rewrite.onnx import reference_ops, validate
 from amp_rewrite.onnx.api import rewrite_onnx_model
@@ -315,27 +314,15 @@ def zoo_case():
     return get
 
 
-def _ort_optimized(model: onnx.ModelProto) -> onnx.ModelProto:
-    import onnxruntime as ort
-
-    with tempfile.TemporaryDirectory() as tmp:
-        options = ort.SessionOptions()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
-        options.optimized_model_filepath = os.path.join(tmp, "o.onnx")
-        ort.InferenceSession(model.SerializeToString(), options,
-                             providers=["CPUExecutionProvider"])
-        return onnx.load(options.optimized_model_filepath)
-
-
 def _ort_session_fused(model: onnx.ModelProto) -> int:
     kinds = {k.split("::")[-1] for k in FUSED_OPS}
     return sum(n.domain == "com.microsoft" or n.op_type in kinds
-               for n in _ort_optimized(model).graph.node)
+               for n in ort_optimized_graph(model).graph.node)
 
 
 def _inside_ort_fused_chains(fp32: onnx.ModelProto) -> set[str]:
     """Values ORT's optimiser fuses away in the FP32 model (fusions keep boundary values)."""
-    kept = {v for n in _ort_optimized(fp32).graph.node for v in (*n.input, *n.output)}
+    kept = {v for n in ort_optimized_graph(fp32).graph.node for v in (*n.input, *n.output)}
     return {o for n in fp32.graph.node if n.op_type != "Constant" for o in n.output
             if o not in kept}
 

@@ -82,10 +82,12 @@ def _ops(model: onnx.ModelProto) -> list[str]:
     return [n.op_type for n in model.graph.node]
 
 
-def _fp32_padded(model: onnx.ModelProto) -> tuple[onnx.ModelProto, object]:
+def _fp32_padded(model: onnx.ModelProto, policy: PadPolicy = COMPUTE_BOUND,
+                 strict: bool = True) -> tuple[onnx.ModelProto, object]:
+    """Padding applied to the fp32 graph (the exactness oracle's setting), checked."""
     ir_model = ir.from_proto(model)
-    ir.passes.common.ShapeInferencePass()(ir_model)
-    stats = pad_model(ir_model, COMPUTE_BOUND, low=(ir.DataType.FLOAT,))
+    ir.passes.common.ShapeInferencePass(strict_mode=strict)(ir_model)
+    stats = pad_model(ir_model, policy, low=(ir.DataType.FLOAT,))
     proto = ir.to_proto(ir_model)
     onnx.checker.check_model(proto, full_check=True)
     return proto, stats

@@ -13,10 +13,10 @@ import pytest
 
 from amp_rewrite.core.padding import PadPolicy
 from amp_rewrite.onnx.api import rewrite_onnx_model
-from amp_rewrite.onnx.pad import pad_model
 from amp_rewrite.onnx.validate import reference_evaluator
 
-COMPUTE_BOUND = PadPolicy(memory_tbps=float("inf"))  # copies free: the model pays padding
+from .test_padding import COMPUTE_BOUND, _fp32_padded
+
 SIZES = (13, 16, 21)  # runtime sizes of the symbolic dim: misaligned, aligned, misaligned
 
 
@@ -49,18 +49,9 @@ def _reference(model: onnx.ModelProto, feeds: dict) -> np.ndarray:
     return reference_evaluator(model).run(None, feeds)[0]
 
 
-def _padded_fp32(model: onnx.ModelProto, policy: PadPolicy):
-    ir_model = ir.from_proto(model)
-    ir.passes.common.ShapeInferencePass(strict_mode=False)(ir_model)
-    stats = pad_model(ir_model, policy, low=(ir.DataType.FLOAT,))
-    proto = ir.to_proto(ir_model)
-    onnx.checker.check_model(proto, full_check=True)
-    return proto, stats
-
-
 def test_symbolic_token_dims_get_runtime_pads_exact_for_every_runtime_size():
     model = attention_like()
-    padded, stats = _padded_fp32(model, COMPUTE_BOUND)
+    padded, stats = _fp32_padded(model, COMPUTE_BOUND, strict=False)
     dims = [{d.role: (d.size, d.padded) for d in p.dims} for p in stats.plan.padded_ops]
     assert dims == [{"N": ("seq", "ceil8(seq)")}, {"K": ("seq", "ceil8(seq)")}]
     ops = [n.op_type for n in padded.graph.node]
@@ -77,7 +68,7 @@ def test_symbolic_padded_output_is_sliced_back_to_the_graph_input_size():
     """The padded scores are a graph output: sliced to Shape(a)[0] at runtime."""
     model = attention_like()
     model.graph.output.append(oh.make_tensor_value_info("s", 1, ["seq", "seq"]))
-    padded, _ = _padded_fp32(model, COMPUTE_BOUND)
+    padded, _ = _fp32_padded(model, COMPUTE_BOUND, strict=False)
     assert [o.name for o in padded.graph.output] == ["y", "s"]
     for seq in SIZES:
         feeds = _feeds(seq)
@@ -111,16 +102,16 @@ def test_default_cost_model_pads_the_relu_chain_but_not_softmax_attention():
     # at the assumed 512 tokens and 64 features both GEMMs are memory-bound. With Relu the
     # [seq, seq] scores stay padded into the second GEMM (only b and c are copied): pays.
     # With Softmax the scores need a slice and a re-pad: more traffic than the 1.6x saved.
-    _, relu = _padded_fp32(attention_like(), PadPolicy())
+    _, relu = _fp32_padded(attention_like(), PadPolicy(), strict=False)
     assert len(relu.plan.padded_ops) == 2
-    _, softmax = _padded_fp32(attention_like(activation="Softmax"), PadPolicy())
+    _, softmax = _fp32_padded(attention_like(activation="Softmax"), PadPolicy(), strict=False)
     assert not softmax.plan.padded_ops
     reasons = [r for p in softmax.plan.ops.values() for _, r in p.skipped
                if "already aligned" not in r]
     assert len(reasons) == 2 and all("cost model" in r for r in reasons)
     # exact with softmax too when forced (sliced before, re-padded after the softmax)
     model = attention_like(activation="Softmax")
-    padded, stats = _padded_fp32(model, COMPUTE_BOUND)
+    padded, stats = _fp32_padded(model, COMPUTE_BOUND, strict=False)
     assert len(stats.plan.padded_ops) == 2
     for seq in SIZES:
         feeds = _feeds(seq)
