@@ -125,6 +125,7 @@ def kernels_part() -> list[dict]:
         eager = copy.deepcopy(model.module)
         row = {"model": name,
                "ours_fused": _profile_step(_train_step(fused, model.args, model.kwargs)),
+               "emulated": fused.amp_report["emulated_gemms"].get("kernels", {}),
                "ours_fused_no_emulation": _profile_step(_train_step(plain, model.args,
                                                                     model.kwargs)),
                "ours_unfused": _profile_step(_train_step(flat, model.args, model.kwargs)),

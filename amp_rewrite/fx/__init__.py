@@ -19,7 +19,7 @@ from amp_rewrite.core import LowDtype, PadPolicy, RuleSet, load_rules
 from amp_rewrite.core.rules import default_rules_path
 from amp_rewrite.core.runtime import gc_paused, listed
 from amp_rewrite.errors import UsageError
-from amp_rewrite.fx import guards
+from amp_rewrite.fx import guards, lowering
 from amp_rewrite.fx.capture import capture as capture_module
 from amp_rewrite.fx.capture import refresh_fake_values
 from amp_rewrite.fx.fusion import FUSED_FROM, FUSED_TAG, FuseAttention, FuseNorms, FuseTanhGelu
@@ -48,7 +48,7 @@ def rewrite(model: torch.nn.Module, example_inputs: Any = None, *,
             keep_fp32: Iterable[str] = (), keep_io_types: bool = True,
             device: str | None = None, autocast_floor: bool = True,
             mode: str | None = None, pad: bool | PadPolicy | None = None,
-            fuse: bool = True, emulate_gemms: bool | None = False
+            fuse: bool = True, emulate_gemms: bool | None = None
             ) -> torch.fx.GraphModule | TrainEvalModule:
     """Capture ``model`` and return a trainable mixed-precision ``GraphModule``.
 
@@ -73,9 +73,10 @@ def rewrite(model: torch.nn.Module, example_inputs: Any = None, *,
     ``fx/pointwise.py``); False gives the unfused graph.
     ``emulate_gemms``: run the GEMMs, convolutions and attention the plan makes low as fp32
     kernels on low-rounded operands, output rounded to the low dtype (``fx/lowering.py``: the
-    low kernel's numerics class at fp32 speed). Off by default: the graph keeps the low
-    kernels the plan chose. None: on when ``fuse`` and the device is a CPU without native
-    bf16/fp16 GEMM instructions (100x+ faster there), never on CUDA.
+    low kernel's numerics class at fp32 speed). None (default): follow the device, and only
+    with ``fuse``: on a CPU, GEMMs and convolutions when it has no native bf16/fp16 GEMM
+    instructions (100x+ faster there), attention calls the fp32 kernel runs faster here
+    (timed once per distinct call); never on CUDA. True: every low kernel; False: none.
     The user's module is never mutated; the result owns copies of its parameters.
     """
     _check_rewrite_arguments(dtype=dtype, keep_fp32=keep_fp32, keep_io_types=keep_io_types,
@@ -114,7 +115,7 @@ def rewrite_graph(gm: torch.fx.GraphModule, *, dtype: torch.dtype | str = torch.
                   rules: Iterable[str] = (), keep_fp32: Iterable[str] = (),
                   keep_io_types: bool = True, device: str | None = None,
                   autocast_floor: bool = True, pad: bool | PadPolicy | None = None,
-                  fuse: bool = True, emulate_gemms: bool | None = False
+                  fuse: bool = True, emulate_gemms: bool | None = None
                   ) -> torch.fx.GraphModule:
     """Run the passes on a captured GraphModule (``meta['val']`` on its nodes), in place.
 
@@ -219,14 +220,31 @@ def _emulate_gemms(gm: torch.fx.GraphModule, low: torch.dtype, device: str, fuse
     """Low GEMMs/convs/SDPA as fp32 kernels on low-rounded operands (``fx/lowering.py``)
     where the device has no fast low kernels; the report's section."""
     native = native_low_gemm(low, device)
-    enabled = (fuse and not native) if requested is None else requested
-    if not enabled:
+    if requested is False or (requested is None and (not fuse or device != "cpu")):
         return {"enabled": False, "native_low_gemm": native}
-    emulate = EmulateLowKernels()
+    trained = any(p.requires_grad for p in gm.parameters())  # time the backward too
+    select = None if requested else _device_choice(low, native, trained)
+    emulate = EmulateLowKernels(select)
     emulate(gm)
-    return {"enabled": True, "native_low_gemm": native, "kernels": emulate.lowered,
-            "why": "fp32 kernels on low-rounded operands: this device has no native "
-                   f"{str(low).removeprefix('torch.')} GEMM" if not native else "requested"}
+    return {"enabled": bool(emulate.lowered), "native_low_gemm": native,
+            "kernels": emulate.lowered,
+            "why": "fp32 kernels on low-rounded operands: " + (
+                "requested" if requested else
+                f"GEMMs: {'native' if native else 'no native'} "
+                f"{str(low).removeprefix('torch.')} GEMM on this CPU; attention: measured")}
+
+
+def _device_choice(low: torch.dtype, native: bool, train: bool):
+    """Which low kernels run in fp32 on this CPU, and why (``fx/lowering.py``)."""
+    name = lowering.short_name(low)
+
+    def select(node: torch.fx.Node) -> str | None:
+        if node.target is lowering.SDPA:
+            if lowering.attention_faster_in_fp32(node, train):
+                return f"the fp32 attention kernel measured faster than the {name} one here"
+            return None
+        return None if native else f"this CPU has no native {name} GEMM"
+    return select
 
 
 def _pattern_passes(fuse: bool) -> list:

@@ -21,12 +21,21 @@ Backward follows through autograd: its GEMMs are fp32 kernels on low-rounded gra
 The casts join the pointwise regions next to them (``fx/pointwise.py``, which keeps their
 rounding inside compiled regions).
 
-On by default only for device 'cpu' without native low GEMM (``native_low_gemm``); never on
-CUDA. Each lowered kernel carries ``meta[LOWERED_TAG] = "kernel"`` (its operand casts
+Which kernels (``rewrite(..., emulate_gemms=None)``, the default): on device 'cpu' the
+GEMMs and convolutions when the CPU has no native low GEMM (``native_low_gemm``), and each
+distinct attention call when measuring it here says the fp32 kernel is faster
+(``attention_faster_in_fp32``); never on CUDA. PyTorch's CPU flash attention computes in
+fp32 internally whatever its I/O dtype, and whether its bf16/fp16 variant or the fp32 one is
+faster depends on the CPU and the shapes (measured on an AVX512-BF16 host: bf16 training
+step 8.8 ms low against 1.6 ms in fp32 at 8x4x128x16, but 22 ms against 30 ms at
+2x4x1024x16; fp16 5-10x slower low at every shape), so a fixed rule would be wrong on some
+of them; Inductor's autotuning makes kernel choices the same way. Each lowered kernel carries ``meta[LOWERED_TAG] = "kernel"`` (its operand casts
 "operand", its output cast "result"); ``gm.amp_report["emulated_gemms"]`` counts them and
 ``explain`` says so. ``RestoreLowKernels`` undoes it (a second rewrite plans the low graph).
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch.fx import Node
@@ -35,6 +44,7 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 aten = torch.ops.aten
 LOWERED_TAG = "amp_rewrite_lowered"  # node.meta key: "kernel", "operand" or "result"
 _LOW_VAL = "amp_rewrite_lowered_val"  # node.meta key: the kernel's low example value
+_WHY = "amp_rewrite_lowered_why"  # node.meta key: why this kernel runs in fp32
 _LOW = (torch.float16, torch.bfloat16)
 _SHORT = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 KERNELS = (aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default,
@@ -42,6 +52,10 @@ KERNELS = (aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.de
            aten.conv2d.default, aten.conv3d.default, aten.convolution.default,
            aten.conv_transpose1d.default, aten.conv_transpose2d.input,
            aten.conv_transpose3d.input, aten.scaled_dot_product_attention.default)
+
+
+def short_name(dtype: torch.dtype) -> str:
+    return _SHORT[dtype]
 
 
 def native_low_gemm(dtype: torch.dtype, device: str) -> bool:
@@ -52,6 +66,94 @@ def native_low_gemm(dtype: torch.dtype, device: str) -> bool:
     if dtype == torch.bfloat16:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+
+
+SDPA = aten.scaled_dot_product_attention.default
+ATTENTION_MARGIN = 1.2  # the fp32 kernel must win by this factor: no flip-flop on near ties
+_ATTENTION_CHOICES: dict[tuple, tuple[bool, float, float]] = {}  # per process: one timing
+
+
+def attention_faster_in_fp32(node: Node, train: bool) -> bool:
+    """Whether ``node`` (a low SDPA call on CPU) runs faster as the fp32 kernel on upcast
+    operands, forward and (``train``) backward, timed once per distinct call signature."""
+    key = (_signature(node), train)
+    if key not in _ATTENTION_CHOICES:
+        _ATTENTION_CHOICES[key] = _time_attention(node, train)
+    return _ATTENTION_CHOICES[key][0]
+
+
+def attention_timings() -> list[dict]:
+    """The measurements behind ``attention_faster_in_fp32`` (for reports and benchmarks)."""
+    return [{"call": str(key[0]), "train": key[1], "fp32": fp32, "low_ms": low, "fp32_ms": emu}
+            for key, (fp32, low, emu) in _ATTENTION_CHOICES.items()]
+
+
+def _signature(node: Node) -> tuple:
+    def describe(a):
+        val = _val(a)
+        if val is not None:
+            return (tuple(_hint(d) for d in val.shape), val.dtype)
+        return a if isinstance(a, (int, float, bool, str, type(None))) else repr(a)
+    return (tuple(map(describe, node.args)),
+            tuple(sorted((k, describe(v)) for k, v in node.kwargs.items())))
+
+
+def _hint(dim) -> int:
+    """A concrete size for a (possibly symbolic) dimension: its example value."""
+    if isinstance(dim, int):
+        return dim
+    hint = getattr(getattr(dim, "node", None), "hint", None)
+    return int(hint) if hint is not None else 64
+
+
+def _example(a, train: bool):
+    val = _val(a)
+    if val is None:
+        return a
+    shape = [_hint(d) for d in val.shape]
+    if val.dtype == torch.bool:
+        return torch.ones(shape, dtype=torch.bool)
+    t = torch.randn(shape).to(val.dtype)
+    return t.requires_grad_(train and val.dtype.is_floating_point)
+
+
+def _time_attention(node: Node, train: bool) -> tuple[bool, float, float]:
+    import time
+
+    args = [_example(a, train) for a in node.args]
+    kwargs = {k: _example(v, train) for k, v in node.kwargs.items()}
+    # same math every call; dropout costs both sides alike (dropout_p: 5th argument)
+    if len(args) > 4:
+        args[4] = 0.0
+    elif "dropout_p" in kwargs:
+        kwargs["dropout_p"] = 0.0
+    low = _val(node).dtype
+
+    def run(fp32: bool) -> None:
+        call_args = [a.float() if fp32 and _is_low(a) else a for a in args]
+        call_kwargs = {k: v.float() if fp32 and _is_low(v) else v for k, v in kwargs.items()}
+        with torch.set_grad_enabled(train):
+            out = SDPA(*call_args, **call_kwargs).to(low)
+            if train:
+                out.backward(torch.ones_like(out))
+
+    def best_ms(fp32: bool) -> float:
+        """The fastest of >= 3 runs and >= 20 ms in all (timeit's rule: the minimum is the
+        run least disturbed by the rest of the machine); tiny calls get more runs."""
+        run(fp32)  # warm-up
+        times: list[float] = []
+        while len(times) < 3 or (sum(times) < 0.02 and len(times) < 200):
+            start = time.perf_counter()
+            run(fp32)
+            times.append(time.perf_counter() - start)
+        return 1e3 * min(times)
+
+    low_ms, fp32_ms = best_ms(False), best_ms(True)
+    return fp32_ms * ATTENTION_MARGIN < low_ms, round(low_ms, 3), round(fp32_ms, 3)
+
+
+def _is_low(a) -> bool:
+    return isinstance(a, torch.Tensor) and a.dtype in _LOW
 
 
 def _val(node: object) -> torch.Tensor | None:
@@ -96,14 +198,19 @@ def _fp32_of(graph: torch.fx.Graph, value: Node) -> Node:
 
 
 class EmulateLowKernels(PassBase):
-    """Low GEMMs/convs/SDPA → fp32 kernels on low-rounded operands (module docstring)."""
+    """Low GEMMs/convs/SDPA → fp32 kernels on low-rounded operands (module docstring);
+    ``select``: which of the low kernels (default all), with the reason ``explain`` gives."""
 
-    def __init__(self) -> None:
+    def __init__(self, select: Callable[[Node], str | None] | None = None) -> None:
         self.lowered: dict[str, int] = {}
+        self.select = select or (lambda node: "requested")
 
     def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
         graph = graph_module.graph
-        for node in [n for n in graph.nodes if _is_low_kernel(n)]:
+        chosen = [(n, self.select(n)) for n in graph.nodes if _is_low_kernel(n)]
+        for node, why in chosen:
+            if why is None:
+                continue
             low = _val(node).dtype
             upcast = {a: _fp32_of(graph, a) for a in _float_inputs(node)}
             node.args = torch.fx.node.map_arg(node.args, lambda a: upcast.get(a, a))
@@ -111,6 +218,7 @@ class EmulateLowKernels(PassBase):
             node.meta[_LOW_VAL] = node.meta["val"]
             node.meta["val"] = node.meta["val"].to(torch.float32)
             node.meta[LOWERED_TAG] = "kernel"
+            node.meta[_WHY] = why
             users = list(node.users)
             rounded = _cast(graph, node, low, "result")
             for user in users:
@@ -142,6 +250,7 @@ class RestoreLowKernels(PassBase):
                         _erase(graph, arg)
             node.meta["val"] = node.meta.pop(_LOW_VAL)
             del node.meta[LOWERED_TAG]
+            node.meta.pop(_WHY, None)
         if kernels:
             graph.lint()
             graph_module.recompile()
@@ -158,5 +267,5 @@ def _erase(graph: torch.fx.Graph, node: Node) -> None:
 def explanation(node: Node) -> str:
     low = _SHORT[node.meta[_LOW_VAL].dtype]
     return (f"{node.name}: emulated {low} kernel: runs in fp32 on {low}-rounded inputs, output "
-            f"rounded to {low} (this CPU has no native {low} GEMM; emulate_gemms=False "
+            f"rounded to {low} ({node.meta.get(_WHY, 'requested')}; emulate_gemms=False "
             "keeps the low kernel)")

@@ -5,12 +5,14 @@ rewrite that keeps PyTorch's low kernel (``emulate_gemms=False``), or the eager 
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch import nn
 
 import amp_rewrite
-from amp_rewrite.fx import pointwise
+from amp_rewrite.fx import lowering, pointwise
 from amp_rewrite.fx.lowering import LOWERED_TAG, native_low_gemm
 
 F = nn.functional
@@ -66,18 +68,59 @@ def test_emulation_tags_every_low_kernel_and_explains_it():
     assert "emulated bf16 kernel" in amp_rewrite.explain(gm, kernels[0].name)[-1]
 
 
-def test_emulation_is_opt_in_and_auto_follows_the_device_and_stays_off_without_fusion():
+def test_default_follows_the_device_and_stays_off_without_fusion():
     torch.manual_seed(0)
     block, x = _Block().eval(), torch.randn(2, 8, 32)
     default = amp_rewrite.rewrite(block, (x,), dtype=torch.bfloat16)
-    auto = amp_rewrite.rewrite(block, (x,), dtype=torch.bfloat16, emulate_gemms=None)
-    unfused = amp_rewrite.rewrite(block, (x,), dtype=torch.bfloat16, fuse=False,
-                                  emulate_gemms=None)
+    unfused = amp_rewrite.rewrite(block, (x,), dtype=torch.bfloat16, fuse=False)
     native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    assert default.amp_report["emulated_gemms"]["enabled"] is False
-    assert auto.amp_report["emulated_gemms"]["enabled"] is (not native)
+    lowered = {str(n.target).split(".")[1] for n in default.graph.nodes
+               if n.meta.get(LOWERED_TAG) == "kernel"}
+    # GEMMs and convs follow the CPU's capability; attention follows its own measurement
+    assert ({"linear", "bmm", "conv1d"} <= lowered) is (not native)
+    assert not lowered & {"linear", "bmm", "conv1d"} or not native
     assert unfused.amp_report["emulated_gemms"]["enabled"] is False
     assert native_low_gemm(torch.float16, "cuda") and native_low_gemm(torch.bfloat16, "cuda")
+
+
+class _Attention(nn.Module):
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _train_ms(run) -> float:
+    run()
+    times = []
+    for _ in range(15):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return 1e3 * min(times)
+
+
+@pytest.mark.parametrize("shape", [(8, 4, 128, 16), (1, 2, 16, 8)])
+def test_attention_runs_in_fp32_only_where_that_kernel_is_clearly_faster(shape):
+    """The choice agrees with an independent timing of both kernels, except on near ties
+    (within the margin and this test's own noise), where either answer is right."""
+    q, k, v = (torch.randn(shape, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    gm = amp_rewrite.rewrite(_Attention(), (q, k, v), dtype=torch.bfloat16, keep_io_types=False)
+    sdpa = [n for n in gm.graph.nodes if n.target is lowering.SDPA]
+    chose_fp32 = sdpa[0].meta.get(LOWERED_TAG) == "kernel"
+
+    def low() -> None:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+    def fp32() -> None:
+        out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+        out.to(torch.bfloat16).sum().backward()
+    ratio = _train_ms(low) / _train_ms(fp32)
+    if ratio > 2 * lowering.ATTENTION_MARGIN:
+        assert chose_fp32, ratio
+    elif ratio < 1 / lowering.ATTENTION_MARGIN:
+        assert not chose_fp32, ratio
+    with torch.no_grad():  # either way the values are the low kernel's class
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+        assert _rms_error(gm(q, k, v), ref) < 1e-2
 
 
 def test_second_rewrite_of_an_emulated_graph_gives_the_same_code_and_values():
