@@ -132,6 +132,7 @@ def _converted(model: ir.Model, opset: int) -> ir.Model:
     converted = versions.convert_opset(model, opset)
     if converted is not model:
         converted.meta.update(model.meta)
+        converted.meta.pop(io.FLAT, None)  # the converter may write subgraphs: walk again
         source = model.meta.get(io.SOURCE_PATH)
         if source is not None:  # external weights stay beside the input
             ir.external_data.set_base_dir(converted.graph, Path(source).parent)

