@@ -21,7 +21,7 @@ from amp_rewrite.core.runtime import gc_paused, listed
 from amp_rewrite.errors import UsageError
 from amp_rewrite.fx import guards, lowering
 from amp_rewrite.fx.capture import capture as capture_module
-from amp_rewrite.fx.capture import refresh_fake_values
+from amp_rewrite.fx.capture import fill_missing_fake_values, refresh_fake_values
 from amp_rewrite.fx.fusion import FUSED_FROM, FUSED_TAG, FuseAttention, FuseNorms, FuseTanhGelu
 from amp_rewrite.fx.lowering import (LOWERED_TAG, EmulateLowKernels, RestoreLowKernels,
                                      native_low_gemm)
@@ -142,7 +142,7 @@ def rewrite_graph(gm: torch.fx.GraphModule, *, dtype: torch.dtype | str = torch.
         # the GELU fusion keeps meta['val'] (re-propagating was 63% of GPT-2's rewrite)
         FuseTanhGelu(traced=fuse)(gm)
         fused = any([p(gm).modified for p in _pattern_passes(fuse)])
-        if inlined or fused:
+        if inlined or (fused and not fill_missing_fake_values(gm)):
             refresh_fake_values(gm)
         FunctionalizeInPlace()(gm)
         amp = MixedPrecisionPass(options)

@@ -390,3 +390,27 @@ def refresh_fake_values(gm: torch.fx.GraphModule) -> None:
             FakeTensorProp(gm, mode).run(*vals, enable_io_processing=False)
     finally:
         mode.allow_non_fake_inputs = previous
+
+
+def fill_missing_fake_values(gm: torch.fx.GraphModule) -> bool:
+    """``meta['val']`` for the call_function nodes that have none (those a fusion created),
+    each computed from its inputs' fake values: a 48-layer GPT-2 spent 3.9 s of a 4.3 s
+    rewrite re-propagating every node after the attention fusion. The nodes downstream keep
+    their values: a fused op has the shape and dtype of the chain it replaced. False (and
+    nothing changed) where an input has no fake value; the caller then refreshes all."""
+    missing = [n for n in gm.graph.nodes if n.op == "call_function" and "val" not in n.meta]
+    inputs = {a for n in missing for a in n.all_input_nodes}
+    if any("val" not in a.meta and a not in missing for a in inputs):
+        return False
+    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    mode = torch._guards.detect_fake_mode(vals) or FakeTensorMode(allow_non_fake_inputs=True)
+    previous, mode.allow_non_fake_inputs = mode.allow_non_fake_inputs, True
+    try:
+        with mode:
+            for node in missing:  # graph order: a new node's new inputs come first
+                args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs),
+                                                     lambda a: a.meta["val"])
+                node.meta["val"] = node.target(*args, **kwargs)
+    finally:
+        mode.allow_non_fake_inputs = previous
+    return True

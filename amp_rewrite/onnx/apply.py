@@ -11,6 +11,7 @@ nothing (their reasons are in the report): on a 50k-node model the annotations m
 from __future__ import annotations
 
 import logging
+import math
 import sys
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -172,8 +173,8 @@ def _convert_sources(view: OnnxView, plan: PrecisionPlan, low_ir, stats: ApplySt
            if plan.precision(key) is Precision.LOW and value.dtype != low_ir]
     converted = _small_initializers_converted(low, low_ir)
     for value, node in low:
-        if value in converted:
-            _count_conversion(value, value.const_value, 0, stats)
+        if value in converted:  # 2-byte elements: their count without onnx_ir's shape
+            _count_conversion(value, len(converted[value].raw.raw_data) // 2, 0, stats)
             value.const_value = converted[value]
             value.dtype = low_ir
         elif value.const_value is not None or node is not None:
@@ -219,8 +220,9 @@ def _small_float32_bytes(tensor) -> bytes | None:
     if (proto.data_type != onnx.TensorProto.FLOAT or not proto.raw_data
             or proto.data_location == onnx.TensorProto.EXTERNAL):
         return None
-    raw = proto.raw_data
-    return raw if len(raw) <= SMALL_TENSOR_BYTES and len(raw) == 4 * tensor.size else None
+    raw = proto.raw_data  # the element count from the proto's dims: onnx_ir's shape is slow
+    return raw if len(raw) <= SMALL_TENSOR_BYTES and len(raw) == 4 * math.prod(proto.dims) \
+        else None
 
 
 def _stored_array(value: ir.Value, node: ir.Node | None) -> bool:
@@ -257,10 +259,10 @@ def _converted(view: OnnxView, value: ir.Value, node, target: ir.DataType, name:
         tensor = convert.Float16Stream(value.const_value, _clamped_float16,
                                        check_inf=value not in view.in_range)
         tensor.name = name
-        _count_conversion(value, tensor, 0, stats)
+        _count_conversion(value, tensor.size, 0, stats)
         return tensor
     array, clamped = _convert(_constant_array(value, node), target)
-    _count_conversion(value, array, clamped, stats)
+    _count_conversion(value, array.size, clamped, stats, array.dtype)
     return _stored_tensor(array, name)
 
 
@@ -292,14 +294,13 @@ def _stored_tensor(array: np.ndarray, name: str | None) -> ir.TensorProtocol:
     return ir.serde.TensorProtoTensor(proto)
 
 
-def _count_conversion(value: ir.Value, array: np.ndarray, clamped: int, stats) -> None:
+def _count_conversion(value: ir.Value, elements: int, clamped: int, stats, dtype=None) -> None:
     stats.constants_converted += 1
-    stats.constant_bytes_converted += array.size * 4
+    stats.constant_bytes_converted += elements * 4
     if clamped:
         stats.values_clamped += clamped
         stats.clamped_constants.append(value.name or "")
-        logger.warning("clamped %d values of %s to the %s range", clamped, value.name,
-                       array.dtype)
+        logger.warning("clamped %d values of %s to the %s range", clamped, value.name, dtype)
 
 
 def _insert_cast(view: OnnxView, cast: CastPlan, low_ir, namer: _Namer,

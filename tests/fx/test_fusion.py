@@ -354,3 +354,34 @@ def test_digits_training_through_compiled_regions_reaches_fp32_accuracy(monkeypa
     assert pointwise.compile_stats()["compiles"] > before  # the regions ran compiled
     ours, reference = _accuracy(mixed, x_test, y_test), _accuracy(fp32, x_test, y_test)
     assert reference > 0.9 and abs(ours - reference) <= 0.01
+
+
+@pytest.mark.parametrize("window", [7, 16])
+def test_regions_proposed_in_windows_are_legal_and_compute_the_same(monkeypatch, window):
+    """A window far smaller than the graph: every region still fuses (fuse_by_partitions
+    rejects cyclic ones), values equal the unwindowed regions', and few regions are lost."""
+    model, args = _stack()
+    whole = amp_rewrite.rewrite(model, args, dtype=torch.bfloat16)
+    monkeypatch.setattr(pointwise, "WINDOW", window)
+    windowed = amp_rewrite.rewrite(model, args, dtype=torch.bfloat16)
+    assert len(windowed.graph.nodes) > 3 * window  # really split into windows
+    assert windowed.amp_report["fused"]["regions"] >= whole.amp_report["fused"]["regions"]
+    with torch.no_grad():
+        torch.testing.assert_close(windowed(*args), whole(*args), rtol=0, atol=0)
+    again = amp_rewrite.rewrite(windowed, args, dtype=torch.bfloat16)
+    assert again.code == windowed.code
+
+
+def test_fused_nodes_get_the_fake_values_a_full_propagation_gives():
+    from amp_rewrite.fx.capture import fill_missing_fake_values
+
+    args = _qkv_mask()
+    gm = capture(Attention("hf_eager").eval(), args)
+    assert FuseAttention()(gm).modified
+    assert fill_missing_fake_values(gm)
+    filled = {n.name: n.meta["val"] for n in gm.graph.nodes if "val" in n.meta}
+    refresh_fake_values(gm)
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            full = node.meta["val"]
+            assert (filled[node.name].shape, filled[node.name].dtype) == (full.shape, full.dtype)
