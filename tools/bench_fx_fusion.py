@@ -206,9 +206,9 @@ def _first_step_seconds(step) -> tuple[float, float]:
 
 
 def step_part(steps: int, shape: argparse.Namespace) -> list[dict]:
-    """Ours with fusion only (the default: same bf16 kernels as autocast) and with fusion +
-    fp32 emulation of the bf16 GEMMs (``fx/lowering.py``; opt-in ``emulate_gemms=None``, on
-    for CPUs without bf16 GEMM), autocast + GradScaler eager, FP32 eager,
+    """Ours as by default (``emulate_gemms=None``: kernels chosen for this CPU, fx/lowering.py)
+    and with the low kernels only (``False``: the same bf16 kernels as autocast),
+    autocast + GradScaler eager, FP32 eager,
     torch.compile(autocast): all in one process, interleaved. ``--skip-low-eager`` drops the
     sides that run PyTorch's bf16 GEMMs (autocast, fusion only, compiled autocast) where those
     take minutes a step."""
@@ -225,16 +225,16 @@ def step_part(steps: int, shape: argparse.Namespace) -> list[dict]:
                         f"layers, seq {shape.seq}, batch {shape.batch})",
                "load_before": os.getloadavg()[0]}
         sides = {}
-        ours, sides["ours_fused_emulated"] = _ours_step(base, ids, None)
+        ours, sides["ours_default"] = _ours_step(base, ids, None)
         row["emulated_gemms"] = ours.amp_report["emulated_gemms"]
         row["ours_regions"] = ours.amp_report["fused"]
         row["ours_first_step_s"], row["ours_region_compile_s"] = _first_step_seconds(
-            sides["ours_fused_emulated"])
+            sides["ours_default"])
         sides["fp32_eager"] = _eager_step(copy.deepcopy(base), ids, False)
         if not shape.skip_low_eager:
-            _, sides["ours_fused_only"] = _ours_step(base, ids, False)
-            row["ours_fused_only_first_step_s"], _ = _first_step_seconds(
-                sides["ours_fused_only"])
+            _, sides["ours_low_kernels"] = _ours_step(base, ids, False)
+            row["ours_low_kernels_first_step_s"], _ = _first_step_seconds(
+                sides["ours_low_kernels"])
             sides["autocast_eager"] = _eager_step(copy.deepcopy(base), ids, True)
             compiled = _eager_step(torch.compile(copy.deepcopy(base)), ids, True)
             start = time.perf_counter()
@@ -244,7 +244,7 @@ def step_part(steps: int, shape: argparse.Namespace) -> list[dict]:
         row.update({f"{k}_s": round(v, 4) for k, v in _interleaved_medians(sides, steps).items()})
         row["load_after"] = os.getloadavg()[0]
         if "autocast_eager_s" in row:
-            for side in ("ours_fused_emulated", "ours_fused_only"):
+            for side in ("ours_default", "ours_low_kernels"):
                 row[f"speedup_{side}"] = round(row["autocast_eager_s"] / row[f"{side}_s"], 3)
         rows.append(row)
         print(_step_line(row), flush=True)
