@@ -35,12 +35,14 @@ of them; Inductor's autotuning makes kernel choices the same way. Each lowered k
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
 from torch.fx import Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
+logger = logging.getLogger(__name__)
 aten = torch.ops.aten
 LOWERED_TAG = "amp_rewrite_lowered"  # node.meta key: "kernel", "operand" or "result"
 _LOW_VAL = "amp_rewrite_lowered_val"  # node.meta key: the kernel's low example value
@@ -78,7 +80,11 @@ def attention_faster_in_fp32(node: Node, train: bool) -> bool:
     operands, forward and (``train``) backward, timed once per distinct call signature."""
     key = (_signature(node), train)
     if key not in _ATTENTION_CHOICES:
-        _ATTENTION_CHOICES[key] = _time_attention(node, train)
+        try:
+            _ATTENTION_CHOICES[key] = _time_attention(node, train)
+        except Exception as e:  # noqa: BLE001 - an unusual call: keep the plan's kernel
+            logger.debug("could not time %s (%s); it keeps its low kernel", node.name, e)
+            _ATTENTION_CHOICES[key] = (False, float("nan"), float("nan"))
     return _ATTENTION_CHOICES[key][0]
 
 

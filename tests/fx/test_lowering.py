@@ -165,3 +165,17 @@ def test_compiled_region_keeps_the_rounding_of_a_cast_round_trip(monkeypatch):
     assert pointwise.compile_stats()["compiles"] >= 1
     torch.testing.assert_close(compiled, chain(x, y), rtol=0, atol=0)
     assert not torch.equal(compiled, (x + y) * y)  # the rounding is visible at all
+
+
+def test_an_attention_call_that_cannot_be_timed_keeps_its_low_kernel(monkeypatch):
+    def fail(node, train):
+        raise RuntimeError("no such kernel")
+    monkeypatch.setattr(lowering, "_time_attention", fail)
+    monkeypatch.setattr(lowering, "_ATTENTION_CHOICES", {})
+    q, k, v = (torch.randn(2, 2, 8, 8, dtype=torch.bfloat16) for _ in range(3))
+    gm = amp_rewrite.rewrite(_Attention(), (q, k, v), dtype=torch.bfloat16, keep_io_types=False)
+    sdpa = [n for n in gm.graph.nodes if n.target is lowering.SDPA]
+    assert sdpa and sdpa[0].meta.get(LOWERED_TAG) is None
+    with torch.no_grad():
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+        assert _rms_error(gm(q, k, v), ref) < 1e-2
