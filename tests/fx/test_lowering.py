@@ -181,3 +181,17 @@ def test_an_attention_call_that_cannot_be_timed_keeps_its_low_kernel(monkeypatch
     with torch.no_grad():
         ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
         assert _rms_error(gm(q, k, v), ref) < 1e-2
+
+
+def test_a_graph_with_lowered_attention_still_exports_compiles_and_trains(monkeypatch):
+    monkeypatch.setattr(lowering, "attention_faster_in_fp32", lambda node, train: True)
+    torch.manual_seed(0)
+    block, x = _Block().train(), torch.randn(2, 8, 32)
+    gm = amp_rewrite.rewrite(block, (x,), dtype=torch.bfloat16)
+    assert gm.amp_report["emulated_gemms"]["kernels"].get("scaled_dot_product_attention") == 1
+    torch.export.export(gm, (x,))
+    compiled = torch.compile(gm, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), gm(x), rtol=0, atol=0)
+    gm(x).float().square().mean().backward()
+    grads = [p.grad for p in gm.parameters()]
+    assert all(g is not None and g.dtype == torch.float32 and g.isfinite().all() for g in grads)
