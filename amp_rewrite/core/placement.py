@@ -106,11 +106,9 @@ def _endpoints(graph: PrecisionGraph, value: Hashable) -> list[Hashable]:
 
 def traffic_units(graph: PrecisionGraph, group: Hashable) -> int:
     """Bytes a group reads and writes: what running it low halves."""
-    if not graph._groups[group].savings:
+    if not graph.group(group).savings:
         return 0
-    values = graph._values  # cost_units inlined: called once per group of every region
-    return (sum(values[v].nbytes or 1 for v in graph._inputs[group])
-            + sum(values[v].nbytes or 1 for v in graph._outputs[group]))
+    return sum(graph.cost_units(v) for v in (*graph.inputs(group), *graph.outputs(group)))
 
 
 def traffic_weight(savings_weight: float) -> int:
@@ -171,30 +169,27 @@ Term = tuple[int, Ref, tuple[Ref, ...], tuple[int, ...]]
 def canonical(graph: PrecisionGraph, region: Region, fixed: dict[Hashable, Precision],
               per_traffic_byte: int = 1, free: FreeReads = frozenset()
               ) -> tuple[tuple[Term, ...], tuple[int, ...]]:
-    # Reads the graph's dicts directly: one region can hold a whole 50k-node model (a residual
-    # stream), and method calls per value and per read were a third of the plan's time.
     index = {g: i for i, g in enumerate(region.groups)}
-    consumers_of, producer_of, values = graph._consumers, graph._producer, graph._values
-    low = Precision.LOW
-    terms = []
-    for v in region.values:
-        readers, p = consumers_of[v], producer_of.get(v)
-        if not readers or p is None:
-            continue
+
+    def ref(g: Hashable) -> Ref:
+        i = index.get(g)
+        return fixed[g] if i is None else i
+
+    def term(v: Hashable) -> Term:
         paid, low_only = [], []
-        for c in readers:
-            i = index.get(c)
-            r = fixed[c] if i is None else i
-            if (v, c) not in free or r is low:
+        for c in graph.consumers(v):
+            r = ref(c)
+            if (v, c) not in free or r is Precision.LOW:
                 paid.append(r)
-            elif i is not None:
-                low_only.append(i)
+            elif isinstance(r, int):
+                low_only.append(r)
             # else: a fixed HIGH free reader never needs a cast of v
-        pi = index.get(p)
-        terms.append((CAST_WEIGHT * (values[v].nbytes or 1), fixed[p] if pi is None else pi,
-                      tuple(paid), tuple(low_only)))
-    return tuple(terms), tuple(per_traffic_byte * traffic_units(graph, g)
-                               for g in region.groups)
+        return CAST_WEIGHT * graph.cost_units(v), ref(graph.producer(v)), tuple(paid), \
+            tuple(low_only)
+
+    terms = tuple(term(v) for v in region.values
+                  if graph.consumers(v) and graph.producer(v) is not None)
+    return terms, tuple(per_traffic_byte * traffic_units(graph, g) for g in region.groups)
 
 
 def solve_canonical(terms: tuple[Term, ...], traffic: tuple[int, ...]) -> tuple[Precision, ...]:
@@ -244,38 +239,25 @@ def _min_cut(terms: tuple[Term, ...], traffic: tuple[int, ...]) -> tuple[Precisi
             return r
         return source if r is Precision.HIGH else sink
 
-    tails, heads, caps = net.tails, net.heads, net.caps
-
-    def add(tail: int, head: int, cap: int) -> None:  # FlowNetwork.add, one call less
-        if tail != head and cap:
-            tails.append(tail)
-            heads.append(head)
-            caps.append(cap)
-
     for g, t in enumerate(traffic):
-        add(g, sink, t)
+        net.add(g, sink, t)
     for w, p, cs, low_only in terms:
-        free_readers = [c for c in cs if isinstance(c, int)]
-        fixed_low = fixed_high = False
-        if len(free_readers) < len(cs):
-            fixed_readers = {c for c in cs if not isinstance(c, int)}
-            fixed_low, fixed_high = Precision.LOW in fixed_readers, Precision.HIGH in fixed_readers
-        to_low = sink if fixed_low else net.new_node()
-        to_high = source if fixed_high else net.new_node()
+        fixed_readers = {c for c in cs if not isinstance(c, int)}
+        to_low = sink if Precision.LOW in fixed_readers else net.new_node()
+        to_high = source if Precision.HIGH in fixed_readers else net.new_node()
         producer = node(p)
         # Arcs out of the sink or into the source carry no flow: left out.
         if producer != sink:
-            add(producer, to_low, w)
+            net.add(producer, to_low, w)
         if producer != source:
-            add(to_high, producer, w)
+            net.add(to_high, producer, w)
+        free_readers = [c for c in cs if isinstance(c, int)]
         if to_low != sink:
-            for c in free_readers:
-                add(to_low, c, inf)
-            for c in low_only:  # low_only: read for free when HIGH
-                add(to_low, c, inf)
+            for c in (*free_readers, *low_only):  # low_only: read for free when HIGH
+                net.add(to_low, c, inf)
         if to_high != source:
             for c in free_readers:
-                add(c, to_high, inf)
+                net.add(c, to_high, inf)
     reaches_sink = maxflow.sink_side(net, source, sink)
     return tuple(Precision.LOW if reaches_sink[g] else Precision.HIGH for g in range(n))
 

@@ -222,8 +222,11 @@ def _emulate_gemms(gm: torch.fx.GraphModule, low: torch.dtype, device: str, fuse
     native = native_low_gemm(low, device)
     if requested is False or (requested is None and (not fuse or device != "cpu")):
         return {"enabled": False, "native_low_gemm": native}
-    trained = any(p.requires_grad for p in gm.parameters())  # time the backward too
-    select = None if requested else _device_choice(low, native, trained)
+    # time the backward too where gradients flow: trainable parameters or inputs needing grad
+    trained = any(p.requires_grad for p in gm.parameters()) or any(
+        getattr(n.meta.get("val"), "requires_grad", False)
+        for n in gm.graph.nodes if n.op == "placeholder")
+    select = None if requested else lowering.device_choice(low, native, trained)
     emulate = EmulateLowKernels(select)
     emulate(gm)
     return {"enabled": bool(emulate.lowered), "native_low_gemm": native,
@@ -232,19 +235,6 @@ def _emulate_gemms(gm: torch.fx.GraphModule, low: torch.dtype, device: str, fuse
                 "requested" if requested else
                 f"GEMMs: {'native' if native else 'no native'} "
                 f"{str(low).removeprefix('torch.')} GEMM on this CPU; attention: measured")}
-
-
-def _device_choice(low: torch.dtype, native: bool, train: bool):
-    """Which low kernels run in fp32 on this CPU, and why (``fx/lowering.py``)."""
-    name = lowering.short_name(low)
-
-    def select(node: torch.fx.Node) -> str | None:
-        if node.target is lowering.SDPA:
-            if lowering.attention_faster_in_fp32(node, train):
-                return f"the fp32 attention kernel measured faster than the {name} one here"
-            return None
-        return None if native else f"this CPU has no native {name} GEMM"
-    return select
 
 
 def _pattern_passes(fuse: bool) -> list:

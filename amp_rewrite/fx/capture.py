@@ -383,11 +383,19 @@ def refresh_fake_values(gm: torch.fx.GraphModule) -> None:
     Reusing the placeholders' fake mode keeps symbolic (``torch.export.Dim``) sizes symbolic.
     """
     vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
-    mode = torch._guards.detect_fake_mode(vals) or FakeTensorMode(allow_non_fake_inputs=True)
-    previous, mode.allow_non_fake_inputs = mode.allow_non_fake_inputs, True  # real parameters
+    with _graph_fake_mode(vals) as mode:
+        FakeTensorProp(gm, mode).run(*vals, enable_io_processing=False)
+
+
+@contextlib.contextmanager
+def _graph_fake_mode(placeholder_vals: list) -> Iterator[FakeTensorMode]:
+    """The fake mode of the graph's placeholders, entered, taking real tensors (parameters)."""
+    mode = torch._guards.detect_fake_mode(placeholder_vals) \
+        or FakeTensorMode(allow_non_fake_inputs=True)
+    previous, mode.allow_non_fake_inputs = mode.allow_non_fake_inputs, True
     try:
         with mode:
-            FakeTensorProp(gm, mode).run(*vals, enable_io_processing=False)
+            yield mode
     finally:
         mode.allow_non_fake_inputs = previous
 
@@ -402,15 +410,9 @@ def fill_missing_fake_values(gm: torch.fx.GraphModule) -> bool:
     inputs = {a for n in missing for a in n.all_input_nodes}
     if any("val" not in a.meta and a not in missing for a in inputs):
         return False
-    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
-    mode = torch._guards.detect_fake_mode(vals) or FakeTensorMode(allow_non_fake_inputs=True)
-    previous, mode.allow_non_fake_inputs = mode.allow_non_fake_inputs, True
-    try:
-        with mode:
-            for node in missing:  # graph order: a new node's new inputs come first
-                args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs),
-                                                     lambda a: a.meta["val"])
-                node.meta["val"] = node.target(*args, **kwargs)
-    finally:
-        mode.allow_non_fake_inputs = previous
+    with _graph_fake_mode([n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]):
+        for node in missing:  # graph order: a new node's new inputs come first
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs),
+                                                 lambda a: a.meta["val"])
+            node.meta["val"] = node.target(*args, **kwargs)
     return True

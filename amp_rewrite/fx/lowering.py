@@ -26,16 +26,20 @@ GEMMs and convolutions when the CPU has no native low GEMM (``native_low_gemm``)
 distinct attention call when measuring it here says the fp32 kernel is faster
 (``attention_faster_in_fp32``); never on CUDA. PyTorch's CPU flash attention computes in
 fp32 internally whatever its I/O dtype, and whether its bf16/fp16 variant or the fp32 one is
-faster depends on the CPU and the shapes (measured on an AVX512-BF16 host: bf16 training
-step 8.8 ms low against 1.6 ms in fp32 at 8x4x128x16, but 22 ms against 30 ms at
-2x4x1024x16; fp16 5-10x slower low at every shape), so a fixed rule would be wrong on some
-of them; Inductor's autotuning makes kernel choices the same way. Each lowered kernel carries ``meta[LOWERED_TAG] = "kernel"`` (its operand casts
+faster depends on the CPU and the shape (an AVX512-BF16 host, forward + backward: bf16 5.0 ms
+against 1.7 ms in fp32 at 8x4x128x16, 21 ms against 12 ms at 8x12x128x64, the bf16 kernel
+ahead at sequence 1024 in a first run; fp16 3-5x slower), so a fixed rule would be wrong on
+some of them; Inductor's autotuning makes kernel choices the same way.
+
+Each lowered kernel carries ``meta[LOWERED_TAG] = "kernel"`` (its operand casts
 "operand", its output cast "result"); ``gm.amp_report["emulated_gemms"]`` counts them and
 ``explain`` says so. ``RestoreLowKernels`` undoes it (a second rewrite plans the low graph).
 """
 from __future__ import annotations
 
 import logging
+import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -49,15 +53,12 @@ _LOW_VAL = "amp_rewrite_lowered_val"  # node.meta key: the kernel's low example 
 _WHY = "amp_rewrite_lowered_why"  # node.meta key: why this kernel runs in fp32
 _LOW = (torch.float16, torch.bfloat16)
 _SHORT = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+SDPA = aten.scaled_dot_product_attention.default
 KERNELS = (aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default,
            aten.baddbmm.default, aten.matmul.default, aten.conv1d.default,
            aten.conv2d.default, aten.conv3d.default, aten.convolution.default,
            aten.conv_transpose1d.default, aten.conv_transpose2d.input,
-           aten.conv_transpose3d.input, aten.scaled_dot_product_attention.default)
-
-
-def short_name(dtype: torch.dtype) -> str:
-    return _SHORT[dtype]
+           aten.conv_transpose3d.input, SDPA)
 
 
 def native_low_gemm(dtype: torch.dtype, device: str) -> bool:
@@ -70,9 +71,23 @@ def native_low_gemm(dtype: torch.dtype, device: str) -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
 
 
-SDPA = aten.scaled_dot_product_attention.default
 ATTENTION_MARGIN = 1.2  # the fp32 kernel must win by this factor: no flip-flop on near ties
 _ATTENTION_CHOICES: dict[tuple, tuple[bool, float, float]] = {}  # per process: one timing
+
+
+def device_choice(low: torch.dtype, native: bool, train: bool
+                  ) -> Callable[[Node], str | None]:
+    """``EmulateLowKernels``'s selection on a CPU: GEMMs/convs where it has no native low GEMM
+    (``native``), attention calls where the fp32 kernel measures faster; with the reason."""
+    name = _SHORT[low]
+
+    def select(node: Node) -> str | None:
+        if node.target is SDPA:
+            if attention_faster_in_fp32(node, train):
+                return f"the fp32 attention kernel measured faster than the {name} one here"
+            return None
+        return None if native else f"this CPU has no native {name} GEMM"
+    return select
 
 
 def attention_faster_in_fp32(node: Node, train: bool) -> bool:
@@ -125,9 +140,6 @@ def _example(a, grad: bool):
 
 
 def _time_attention(node: Node, train: bool) -> tuple[bool, float, float]:
-    import statistics
-    import time
-
     # q, k, v take gradients in training; a mask only if it is learned (T5's position bias):
     # with a mask that needs one, CPU SDPA takes another backward path (measured 2.3 ms
     # against 5.0 ms at 8x4x128x16 bf16), so a blanket requires_grad times the wrong kernel
