@@ -1,10 +1,19 @@
-"""Helpers shared by the adapters: GC pausing, option normalising."""
+"""Helpers shared by the adapters: GC pausing, option normalising, background work."""
 from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import os
-from collections.abc import Iterable, Iterator
+import pickle
+import signal
+import sys
+import threading
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+logger = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -28,3 +37,100 @@ def listed(items: Iterable | str | os.PathLike) -> tuple:
     """Options that take several paths or patterns also take one: a bare string is one item,
     not a list of characters (``keep_fp32="*"`` would otherwise pin every node)."""
     return (items,) if isinstance(items, (str, os.PathLike)) else tuple(items)
+
+
+class Background:
+    """``fn(*args)`` computed in a forked child on another core while the caller goes on;
+    ``result()`` waits for it. Where forking is unsafe or would not pay, ``fn`` runs inside
+    ``result()`` instead, so callers have one code path.
+
+    Why a fork: the work this is for (ONNX shape inference on a large model) is C++ that
+    holds the GIL, so a thread runs it no faster, and a fresh interpreter would pay its
+    start-up and a copy of the model. A fork starts in milliseconds and shares the model
+    copy-on-write. It is used only on Linux, with two or more usable CPUs, and when no other
+    Python thread runs (a thread holding a lock at the fork would leave the lock held in the
+    child; the idle worker pools of BLAS libraries are native threads that the child never
+    enters). ``AMP_REWRITE_FORK=0`` turns it off. The child sends back a pickle and leaves
+    with ``os._exit``, so no ``atexit`` handler or stdio buffer of the parent runs twice; a
+    child whose result is never asked for is killed in ``cancel``.
+    """
+
+    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
+        self._fn, self._args = fn, args
+        self._pid: int | None = None
+        self._read_end: int | None = None
+        self._answer: tuple[bool, Any] | None = None
+        if fork_allowed():
+            self._start()
+
+    def _start(self) -> None:
+        read_end, write_end = os.pipe()
+        with warnings.catch_warnings():  # 3.12+ warns of native threads; see the docstring
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:  # the child
+            os.close(read_end)
+            _child_main(write_end, self._fn, self._args)
+        os.close(write_end)
+        self._pid, self._read_end = pid, read_end
+
+    def result(self) -> Any:
+        """``fn(*args)`` (computed once; its exception is raised here)."""
+        if self._answer is None:
+            self._answer = self._child_answer() if self._pid is not None else None
+        if self._answer is None:  # no child, or it died before answering (killed, OOM)
+            self._answer = _answer(self._fn, self._args)
+        ok, value = self._answer
+        if not ok:
+            raise value
+        return value
+
+    def _child_answer(self) -> tuple[bool, Any] | None:
+        with os.fdopen(self._read_end, "rb") as pipe:
+            data = pipe.read()
+        self._reap()
+        try:
+            return pickle.loads(data)
+        except Exception:
+            logger.debug("background child gave no answer; computing in-process")
+            return None
+
+    def cancel(self) -> None:
+        """Stop a child whose result is not wanted (no-op once ``result`` returned)."""
+        if self._pid is None:
+            return
+        os.kill(self._pid, signal.SIGKILL)
+        os.close(self._read_end)
+        self._reap()
+
+    def _reap(self) -> None:
+        os.waitpid(self._pid, 0)
+        self._pid = None
+
+
+def fork_allowed() -> bool:
+    return (sys.platform.startswith("linux") and os.environ.get("AMP_REWRITE_FORK") != "0"
+            and len(os.sched_getaffinity(0)) >= 2 and threading.active_count() == 1)
+
+
+def _child_main(write_end: int, fn: Callable[..., Any], args: tuple) -> None:
+    status = 0
+    try:
+        answer = _answer(fn, args)
+        try:
+            data = pickle.dumps(answer)
+        except Exception as e:  # an unpicklable value or error
+            data = pickle.dumps((False, RuntimeError(f"background result: {e!r}")))
+        with os.fdopen(write_end, "wb") as pipe:
+            pipe.write(data)
+    except BaseException:  # noqa: BLE001 - nothing may escape into the parent's stack
+        status = 1
+    finally:
+        os._exit(status)
+
+
+def _answer(fn: Callable[..., Any], args: tuple) -> tuple[bool, Any]:
+    try:
+        return True, fn(*args)
+    except Exception as e:  # raised by ``result`` in the caller's stack
+        return False, e

@@ -11,7 +11,7 @@ import secrets
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +20,7 @@ import onnx.external_data_helper
 import onnx.inliner
 import onnx_ir as ir
 
+from amp_rewrite.core.runtime import Background
 from amp_rewrite.errors import ModelError, OutputCheckError, UsageError
 
 logger = logging.getLogger(__name__)
@@ -75,10 +76,8 @@ def load_model(source: str | os.PathLike | onnx.ModelProto | bytes | ir.Model) -
     if isinstance(source, bytes):
         source = _parse_bytes(source)
     if isinstance(source, onnx.ModelProto):
-        source = _checked_or_repaired(source, "<ModelProto>")
         _check_tensors(source, "<ModelProto>", None)
-        proto = _inline_local_functions(source, "<ModelProto>")
-        return _from_proto(proto, "<ModelProto>")
+        return _loaded(source, "<ModelProto>")
     path = check_input_path(source)
     try:
         proto = onnx.load(str(path), load_external_data=False)
@@ -88,9 +87,7 @@ def load_model(source: str | os.PathLike | onnx.ModelProto | bytes | ir.Model) -
     if not proto.graph.node and not proto.graph.input and not proto.graph.output:
         raise ModelError(f"{path}: not an ONNX model (no graph found); is it truncated?")
     external = _check_tensors(proto, str(path), path)
-    proto = _checked_or_repaired(proto, str(path), path if external else None)
-    proto = _inline_local_functions(proto, str(path))
-    model = _from_proto(proto, str(path))
+    model = _loaded(proto, str(path), path if external else None)
     ir.external_data.set_base_dir(model.graph, path.parent)
     model.meta[EXTERNAL_FILES] = sorted({path.parent / loc for loc in external})
     model.meta[SOURCE_PATH] = path
@@ -136,7 +133,47 @@ def _inline_local_functions(proto: onnx.ModelProto, label: str) -> onnx.ModelPro
                          f"({_first_line(e)}); fix the function calls in the exporter") from None
 
 
-def _from_proto(proto: onnx.ModelProto, label: str) -> ir.Model:
+def _loaded(proto: onnx.ModelProto, label: str, path: Path | None = None) -> ir.Model:
+    """The checked (or repaired), inlined proto in onnx_ir, with inferred facts.
+
+    The checker and shape inference read only the proto: on a large model they run on the
+    other core (``Background``) while onnx_ir loads the same proto here (0.4 of 1.1 s at 50k
+    nodes). A model the checker refuses, or with functions to inline, takes the serial path.
+    """
+    if proto.functions or len(proto.graph.node) < BACKGROUND_NODES:
+        return _loaded_serially(proto, label, path)
+    job = Background(_checked_and_inferred, proto, label, path)
+    try:
+        model = _from_proto(proto, label, lambda: job.result()[1])
+    except ModelError:
+        if job.result()[0] is None:
+            raise
+        model = None  # the checker's error (or repair) explains this better: serial path
+    if job.result()[0] is not None:
+        if model is not None:
+            release(model)
+        return _loaded_serially(proto, label, path)
+    return model
+
+
+def _loaded_serially(proto: onnx.ModelProto, label: str, path: Path | None) -> ir.Model:
+    proto = _checked_or_repaired(proto, label, path)
+    proto = _inline_local_functions(proto, label)
+    return _from_proto(proto, label, functools.partial(_inferred_facts, proto))
+
+
+def _checked_and_inferred(proto: onnx.ModelProto, label: str, path: Path | None
+                          ) -> tuple[str | None, dict[str, TensorFact] | str]:
+    """(the checker's error or None, ``_inferred_facts`` if the check passed)."""
+    try:
+        _check_input(path or proto, label)
+    except ModelError as e:
+        return str(e), "not run: the checker refused the model"
+    return None, _inferred_facts(proto)
+
+
+def _from_proto(proto: onnx.ModelProto, label: str,
+                facts: Callable[[], dict[str, TensorFact] | str]) -> ir.Model:
     try:
         model = ir.from_proto(proto)
     except Exception as e:  # an unknown elem_type, a malformed attribute, ...
@@ -150,7 +187,7 @@ def _from_proto(proto: onnx.ModelProto, label: str) -> ir.Model:
     # fields read from Python, ~0.1 s per walk at 50k nodes) is skipped.
     nested = len(graphs) > 1
     model.meta[DESCRIBED_INITIALIZERS] = _value_info_names(proto.graph, nested)
-    return _with_inferred_facts(model, proto, graphs)
+    return _with_inferred_facts(model, facts, graphs)
 
 
 TORCH_SUFFIXES = (".pt", ".pth", ".ckpt")
@@ -350,15 +387,16 @@ def _subgraph_protos(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
             yield from (attr.g,) if attr.HasField("g") else attr.graphs
 
 
-def _with_inferred_facts(model: ir.Model, proto: onnx.ModelProto,
+def _with_inferred_facts(model: ir.Model, facts: Callable[[], dict[str, TensorFact] | str],
                          graphs: list[ir.Graph]) -> ir.Model:
-    """Dtypes and sizes for values the model does not describe, from ONNX shape inference.
+    """Dtypes and sizes for values the model does not describe, from ONNX shape inference
+    (``facts``: ``_inferred_facts`` of the loaded proto).
 
     Cast costs are bytes, so values need sizes. Inference reads only initializer dims, never
-    external data, and runs only when some node output has no recorded type. The inferred
-    dtypes go onto the IR values; the sizes go to ``model.meta[INFERRED_SIZES]`` instead of
-    value shapes, because parsing and re-serialising 50k inferred shapes doubled the cost of
-    the onnx_ir round trip.
+    external data, and is waited for only when some node output has no recorded type. The
+    inferred dtypes go onto the IR values; the sizes go to ``model.meta[INFERRED_SIZES]``
+    instead of value shapes, because parsing and re-serialising 50k inferred shapes doubled
+    the cost of the onnx_ir round trip.
     """
     undescribed = [v for g in graphs for node in g for v in node.outputs
                    if v.name and (v.type is None or v.shape is None)]
@@ -366,12 +404,10 @@ def _with_inferred_facts(model: ir.Model, proto: onnx.ModelProto,
     if not untyped:
         return model
     model.meta[UNTYPED_AT_LOAD] = untyped
-    try:
-        inferred = onnx.shape_inference.infer_shapes(proto)
-    except Exception as e:  # a partial answer is still better than none: keep going
-        logger.info("shape inference failed (%s); sizes of some values unknown", _first_line(e))
+    facts = facts()
+    if isinstance(facts, str):  # a partial answer is still better than none: keep going
+        logger.info("shape inference failed (%s); sizes of some values unknown", facts)
         return model
-    facts = _tensor_facts(inferred.graph, {}, nested=len(graphs) > 1)
     sizes = model.meta.setdefault(INFERRED_SIZES, {})
     for v in undescribed:
         fact = facts.get(v.name)
@@ -382,6 +418,18 @@ def _with_inferred_facts(model: ir.Model, proto: onnx.ModelProto,
                 sizes[v.name] = fact[1]
     return model
 
+
+def _inferred_facts(proto: onnx.ModelProto) -> dict[str, TensorFact] | str:
+    """name -> (dtype, fp32 bytes) of every tensor shape inference types, or why it failed."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(proto)
+    except Exception as e:
+        return _first_line(e)
+    return _tensor_facts(inferred.graph, {})
+
+
+# Below this many nodes checking and inference take a few ms: a fork costs more than it saves.
+BACKGROUND_NODES = 4096
 
 TensorFact = tuple[ir.DataType, int | None]
 _KNOWN_ELEM_TYPES = frozenset(int(d) for d in ir.DataType)  # (dtype, bytes in fp32 or None)
