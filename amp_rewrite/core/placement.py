@@ -29,9 +29,9 @@ OR-Tools' compiled max-flow (``maxflow.sink_side``); ``MIN_CUT_SOLVER = "network
 same network in networkx, as the reference the tests compare with.
 
 Fixed groups are terminals, so the problem splits into independent free *regions*; a region
-whose neighbours are all LOW is all-LOW without a flow, small regions are enumerated, and only the
-rest build a flow network. Regions are put in a canonical form first, so the repeated layers of a
-model are solved once.
+whose neighbours are all LOW is all-LOW without a flow (only regions reached from a HIGH group
+are listed at all), small regions are enumerated, and only the rest build a flow network.
+Regions are put in a canonical form first, so the repeated layers of a model are solved once.
 """
 from __future__ import annotations
 
@@ -58,44 +58,60 @@ class Region(NamedTuple):
     values: tuple[Hashable, ...]
 
 
-def free_regions(graph: PrecisionGraph, fixed: dict[Hashable, Precision]) -> list[Region]:
-    """Connected components of free groups, joined through shared values (union-find)."""
-    parent: dict[Hashable, Hashable] = {}
+def constrained_regions(graph: PrecisionGraph,
+                        labels: dict[Hashable, Precision]) -> list[Region]:
+    """The free regions (components of free groups joined through shared values) that have
+    a HIGH neighbour, found by a search from the HIGH groups: only they need a cut. Every
+    other free group runs LOW at no cost, so a graph of many unconstrained regions (a chain
+    of convolutions or GEMMs) is never walked region by region.
 
-    def find(x: Hashable) -> Hashable:
-        root = x
-        while parent[root] != root:
-            root = parent[root]
-        while parent[x] != root:
-            parent[x], x = root, parent[x]
-        return root
-
-    touching: list[tuple[Hashable, Hashable]] = []  # (a free endpoint, value)
+    Groups and values are listed in graph order, as a scan of all values lists them: the
+    canonical form (``canonical``) numbers them in that order.
+    """
     producer, consumers = graph._producer, graph._consumers
-    for value, readers in consumers.items():
-        p = producer.get(value)
-        ends = [g for g in (p, *readers) if g is not None and g not in fixed]
-        if not ends:
+    inputs, outputs = graph._inputs, graph._outputs
+    assigned: set[Hashable] = set()  # free groups already in a region
+    found: list[list[Hashable]] = []  # each region's values
+    for group, precision in labels.items():
+        if precision is not Precision.HIGH:
             continue
-        first = ends[0]
-        parent.setdefault(first, first)
-        for other in ends[1:]:
-            parent.setdefault(other, other)
-            ra, rb = find(first), find(other)
-            if ra != rb:
-                parent[rb] = ra
-        touching.append((first, value))
-    return _collect(parent, find, touching)
+        for value in (*inputs[group], *outputs[group]):
+            p = producer.get(value)
+            for start in consumers[value] if p is None else (p, *consumers[value]):
+                if start not in labels and start not in assigned:
+                    assigned.add(start)
+                    found.append(_component(graph, start, labels, assigned))
+    if not found:
+        return []
+    position = {v: i for i, v in enumerate(consumers)}
+    return [_ordered_region(graph, sorted(values, key=position.__getitem__), labels)
+            for values in found]
 
 
-def _collect(parent, find, touching) -> list[Region]:
-    groups: dict[Hashable, list[Hashable]] = {}
-    for g in parent:
-        groups.setdefault(find(g), []).append(g)
-    values: dict[Hashable, list[Hashable]] = {}
-    for g, v in touching:
-        values.setdefault(find(g), []).append(v)
-    return [Region(tuple(gs), tuple(values.get(root, ()))) for root, gs in groups.items()]
+def _component(graph: PrecisionGraph, start: Hashable, labels: dict[Hashable, Precision],
+               assigned: set[Hashable]) -> list[Hashable]:
+    """The values of ``start``'s free region (breadth-first; marks its groups assigned)."""
+    producer, consumers = graph._producer, graph._consumers
+    inputs, outputs = graph._inputs, graph._outputs
+    groups, values, seen = [start], [], set()
+    for group in groups:  # grows while it is walked
+        for value in (*inputs[group], *outputs[group]):
+            if value in seen:
+                continue
+            seen.add(value)
+            values.append(value)
+            p = producer.get(value)
+            for end in consumers[value] if p is None else (p, *consumers[value]):
+                if end not in labels and end not in assigned:
+                    assigned.add(end)
+                    groups.append(end)
+    return values
+
+
+def _ordered_region(graph: PrecisionGraph, values: list[Hashable],
+                    labels: dict[Hashable, Precision]) -> Region:
+    groups = dict.fromkeys(g for v in values for g in _endpoints(graph, v) if g not in labels)
+    return Region(tuple(groups), tuple(values))
 
 
 def _endpoints(graph: PrecisionGraph, value: Hashable) -> list[Hashable]:
@@ -301,18 +317,6 @@ def _min_cut_networkx(terms, traffic) -> tuple[Precision, ...]:
     return tuple(Precision.HIGH if g in high_side else Precision.LOW for g in range(len(traffic)))
 
 
-def _no_high_neighbour(graph: PrecisionGraph, region: Region,
-                       labels: dict[Hashable, Precision]) -> bool:
-    high = Precision.HIGH
-    for v in region.values:
-        if labels.get(graph._producer.get(v)) is high:
-            return False
-        for c in graph._consumers[v]:
-            if labels.get(c) is high:
-                return False
-    return True
-
-
 def settled_sources(graph: PrecisionGraph, fixed: dict[Hashable, Precision],
                     free: FreeReads = frozenset()) -> dict[Hashable, Precision]:
     """Free sources (initializers) whose readers are all fixed at one precision take it.
@@ -348,14 +352,11 @@ def place(graph: PrecisionGraph, fixed: dict[Hashable, Precision],
     labels.update(settled_sources(graph, fixed, free))
     per_byte = traffic_weight(savings_weight)
     solved: dict[tuple, tuple[Precision, ...]] = {}
-    for region in free_regions(graph, labels):
-        if _no_high_neighbour(graph, region, labels):
-            labels.update(dict.fromkeys(region.groups, Precision.LOW))  # casts nothing
-            continue
+    for region in constrained_regions(graph, labels):
         key = canonical(graph, region, labels, per_byte, free)
         if key not in solved:
             solved[key] = solve_canonical(*key)
         labels.update(zip(region.groups, solved[key]))
-    for key in graph._groups:  # a free group that touches no value costs nothing either way
-        labels.setdefault(key, Precision.LOW)
+    for key in graph._groups:  # free groups of regions without a HIGH neighbour, and
+        labels.setdefault(key, Precision.LOW)  # those touching no value: LOW costs nothing
     return labels

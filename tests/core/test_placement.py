@@ -344,3 +344,32 @@ def test_group_without_values_gets_a_precision():
     g = PrecisionGraph()
     g.add_group(GroupInfo("lonely", "lonely", "lonely", "gray"))
     assert plan_precision(g, RULES).precision("lonely") is L
+
+
+@settings(max_examples=200, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(random_graphs(), st.randoms(use_true_random=False))
+def test_constrained_regions_are_the_components_with_a_high_neighbour(g, rnd):
+    """Against networkx's connected components of the free groups and their values, in the
+    order a scan of all values meets them (the canonical form numbers groups in that order)."""
+    import networkx as nx
+
+    from amp_rewrite.core import placement
+
+    keys = [grp.key for grp in g.groups()]
+    labels = {k: rnd.choice([H, L]) for k in keys if rnd.random() < 0.4}
+    free = [k for k in keys if k not in labels]
+    ends = {v.key: [e for e in (g.producer(v.key), *g.consumers(v.key)) if e is not None]
+            for v in g.values()}
+    links = nx.Graph()
+    links.add_nodes_from(("g", k) for k in free)
+    links.add_edges_from((("g", e), ("v", v)) for v, es in ends.items() for e in es
+                         if e not in labels)
+    expected = []
+    for part in nx.connected_components(links):
+        values = [v for v in ends if ("v", v) in part]  # graph order
+        if values and any(labels.get(e) is H for v in values for e in ends[v]):
+            groups = dict.fromkeys(e for v in values for e in ends[v] if e not in labels)
+            expected.append((tuple(groups), tuple(values)))
+    found = [(r.groups, r.values) for r in placement.constrained_regions(g, labels)]
+    assert sorted(found, key=repr) == sorted(expected, key=repr)
