@@ -68,7 +68,9 @@ def gemm_row(name: str, m: int, k: int, n: int, dtype: torch.dtype, repeat: int,
     w = torch.randn(k, n, device="cuda", dtype=dtype)
     kp, np_ = _up8(k), _up8(n)
     xp, wp = F.pad(x, (0, kp - k)), F.pad(w, (0, np_ - n, 0, kp - k))
-    assert torch.equal((xp @ wp)[:, :n], xp @ wp[:, :n])  # zeros add nothing
+    # zeros add nothing; kernels for other shapes may sum in another order, hence not equal()
+    diff = ((xp @ wp)[:, :n] - x @ w).abs().max() / (x @ w).abs().max()
+    assert diff < 1e-2, f"{name}: padded product differs by {diff:.2e}"
     flops = 2 * m * k * n
     ms = {"unpadded": timed(lambda: x @ w, repeat), "padded": timed(lambda: xp @ wp, repeat),
           "padded+copies": timed(lambda: (F.pad(x, (0, kp - k)) @ F.pad(

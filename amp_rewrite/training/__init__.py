@@ -1,6 +1,6 @@
 """Mixed-precision training: dynamic loss scaling and an optimizer wrapper (DESIGN §5)."""
 from amp_rewrite.training.master import MasterWeights
-from amp_rewrite.training.optimizer import AmpOptimizer
+from amp_rewrite.training.optimizer import AmpOptimizer, StepResult
 from amp_rewrite.training.scaler import LossScaler
 
-__all__ = ["AmpOptimizer", "LossScaler", "MasterWeights"]
+__all__ = ["AmpOptimizer", "LossScaler", "MasterWeights", "StepResult"]

@@ -7,7 +7,7 @@ One object per optimizer does what a GradScaler loop spells out by hand::
         opt.backward(loss_fn(model(x), y))     # scaled; loss averaged over the micro-batches
         if opt.at_boundary:                    # 4 micro-batches accumulated
             opt.clip_grad_norm_(1.0)           # on unscaled gradients
-            stepped = opt.step()               # False when skipped for Inf/NaN
+            stepped = opt.step()               # falsy when skipped for Inf/NaN
             opt.zero_grad()
 
 Works with FP32-parameter modules whose casts are in the graph (amp_rewrite's fx output, or
@@ -24,6 +24,37 @@ from amp_rewrite.errors import TrainingError
 from amp_rewrite.training._grads import optimizer_params
 from amp_rewrite.training.master import MasterWeights
 from amp_rewrite.training.scaler import LossScaler
+
+class StepResult:
+    """What ``AmpOptimizer.step()`` did: truthy when the optimizer stepped, falsy when the step
+    was skipped for Inf/NaN gradients.
+
+    Why not a plain bool: a fused optimizer (``Adam(fused=True)``...) decides the skip on the
+    device, and turning that flag into a bool is a host synchronisation. Measured on an H200,
+    ``step()`` returning ``bool`` synchronised every training step (``set_sync_debug_mode``);
+    now the flag is read only when the result is used as a bool, so a loop that ignores it
+    never waits for the device. ``found_inf`` is the device flag itself (> 0: skipped).
+    """
+
+    __slots__ = ("_stepped", "found_inf")
+
+    def __init__(self, stepped: bool | None, found_inf: torch.Tensor | None) -> None:
+        self._stepped = stepped  # None: not read from the device yet
+        self.found_inf = found_inf
+
+    def __bool__(self) -> bool:
+        if self._stepped is None:
+            self._stepped = self.found_inf is None or not self.found_inf.item()
+        return self._stepped
+
+    def __eq__(self, other: object) -> bool:
+        return bool(self) == other if isinstance(other, bool) else NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # equal to a bool, so not hashable like one
+
+    def __repr__(self) -> str:
+        return f"StepResult(stepped={bool(self)})"
+
 
 def _default_scaler(dtype: torch.dtype, skip_nonfinite: bool) -> LossScaler:
     if dtype == torch.float16:
@@ -131,23 +162,22 @@ class AmpOptimizer:
         params = [p for p in optimizer_params(self.optimizer) if p.grad is not None]
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, **kwargs)
 
-    def step(self, *args: Any, **kwargs: Any) -> bool:
-        """Unscale, check, step unless Inf/NaN, update the scale. Returns False when skipped.
+    def step(self, *args: Any, **kwargs: Any) -> StepResult:
+        """Unscale, check, step unless Inf/NaN, update the scale. The result is falsy when the
+        step was skipped (``StepResult``).
 
-        At most one host read (the found-Inf flag); fused optimizers skip on the device and the
-        read only produces the return value.
+        At most one host read (the found-Inf flag). Fused optimizers skip on the device: then
+        there is none, unless the result is used as a bool.
         """
         self._require_backward("step()")
         _, found_inf, stepped = self.scaler._step(self.optimizer, args, kwargs)
         self.scaler.update()
         if self._master is not None and stepped is not False:
             self._master.copy_to_model()
-        if stepped is None:
-            stepped = found_inf is None or not found_inf.item()
         self._optimizer_steps += 1
         self._micro_batches = 0
         self._unscaled = False
-        return stepped
+        return StepResult(stepped, found_inf)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients (and any half-done accumulation or unscale)."""

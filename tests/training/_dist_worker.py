@@ -31,7 +31,7 @@ def _run(rank: int, agree: bool | None) -> dict[str, object]:
             # overflow in a sharded optimizer or a rank-local gradient hook)
             with torch.no_grad():
                 model.module[0].weight.grad[0, 0] = math.inf
-        stepped.append(amp.step())
+        stepped.append(bool(amp.step()))
         scales.append(amp.get_scale())
         amp.zero_grad()
     return {"stepped": stepped, "scales": scales,

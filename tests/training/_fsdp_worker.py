@@ -61,7 +61,7 @@ def run_sharded(rank: int) -> dict[str, object]:
         if rank == INJECT_RANK and step == INJECT_STEP:
             with torch.no_grad():  # only this rank's shard is non-finite
                 next(iter(model.parameters())).grad._local_tensor.view(-1)[0] = math.inf
-        stepped.append(amp.step())
+        stepped.append(bool(amp.step()))
         scales.append(amp.get_scale())
         amp.zero_grad()
     return {"stepped": stepped, "scales": scales,
@@ -79,7 +79,7 @@ def run_unsharded() -> dict[str, object]:
         if step == INJECT_STEP:
             with torch.no_grad():
                 next(iter(model.parameters())).grad.view(-1)[0] = math.inf
-        stepped.append(amp.step())
+        stepped.append(bool(amp.step()))
         scales.append(amp.get_scale())
         amp.zero_grad()
     return {"stepped": stepped, "scales": scales,

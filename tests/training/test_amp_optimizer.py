@@ -69,14 +69,14 @@ def test_master_weights_skip_leaves_masters_and_model_unchanged(fused: bool) -> 
     before = [p.detach().clone() for p in model.parameters()]
     masters = [m.detach().clone() for m in amp._master.masters()]  # type: ignore[union-attr]
     amp.backward(model(torch.full((3, 4), 1e4, dtype=torch.half)).float().sum() * 1e4)
-    assert amp.step() is False                             # fp16 overflow -> Inf -> skipped
+    assert not amp.step()                                    # fp16 overflow -> Inf -> skipped
     assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
     assert all(torch.equal(b, m)
                for b, m in zip(masters, amp._master.masters()))  # type: ignore[union-attr]
     assert amp.get_scale() == 2.0**15
     amp.zero_grad()
     amp.backward(model(torch.ones(3, 4, dtype=torch.half)).float().mean())
-    assert amp.step() is True
+    assert amp.step()
     assert not all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
 
 
@@ -137,7 +137,7 @@ def test_bf16_defaults_no_scaling_but_skipping() -> None:
     with torch.no_grad():
         model.weight.grad[0, 0] = math.nan
     before = model.weight.detach().clone()
-    assert amp.step() is False and torch.equal(model.weight.detach(), before)
+    assert not amp.step() and torch.equal(model.weight.detach(), before)
     assert amp.skipped_steps == 1
 
 
@@ -148,7 +148,7 @@ def test_bf16_without_skipping_steps_through_nan() -> None:
     amp.backward(model(torch.randn(3, 4)).sum())
     with torch.no_grad():
         model.weight.grad[0, 0] = math.nan
-    assert amp.step() is True
+    assert amp.step()
     assert torch.isnan(model.weight).any()
 
 

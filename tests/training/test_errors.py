@@ -45,7 +45,7 @@ def test_wrapper_unscale_twice() -> None:
     with pytest.raises(TrainingError, match=r"unscale_\(\) was already called in this step"):
         amp.unscale_()
     amp.clip_grad_norm_(1.0)  # clipping after an explicit unscale_ does not unscale again
-    assert amp.step() is True
+    assert amp.step()
 
 
 def test_unscale_after_step() -> None:
@@ -70,7 +70,7 @@ def test_backward_after_unscale() -> None:
     amp.zero_grad()  # discarding the step makes the wrapper usable again
     amp.backward(_loss(model))
     amp.backward(_loss(model))
-    assert amp.step() is True
+    assert amp.step()
 
 
 # ------------------------------------------------------------- step without backward

@@ -1,4 +1,5 @@
-"""No device-to-host synchronisation in scale/unscale_/update; at most one in step.
+"""No device-to-host synchronisation in scale/unscale_/update; at most one in step (none with
+a fused optimizer unless its result is used as a bool).
 
 On CPU there is no device sync to catch, so the proxy is Python-level: every way of reading a
 tensor's value on the host (item, bool, float, int, index, tolist, numpy) is patched to raise or
@@ -112,16 +113,35 @@ def test_fused_optimizer_step_makes_no_host_read(overflow: bool) -> None:
     assert torch.equal(model.weight.detach(), before) == overflow  # skipped on the device
 
 
-def test_amp_optimizer_step_makes_at_most_one_host_read() -> None:
+@pytest.mark.parametrize("overflow", [False, True])
+def test_amp_optimizer_fused_step_reads_only_when_its_result_is_used(overflow: bool) -> None:
     model, _ = _setup(fused=False)
     amp = AmpOptimizer(torch.optim.Adam(model.parameters(), fused=True), accumulation_steps=2)
     with host_reads("raise"):
         for _ in range(2):
             amp.backward(model(torch.randn(5, 4)).square().mean())
+        if overflow:
+            with torch.no_grad():
+                model.weight.grad[0, 0] = math.inf
         amp.unscale_()
+        result = amp.step()
+        amp.zero_grad()
     with host_reads("count") as seen:
-        assert amp.step() is True
-    assert seen == ["item"]  # only to produce step()'s bool
+        assert bool(result) is (not overflow)
+        assert bool(result) is (not overflow)
+    assert seen == ["item"]  # once, when first used as a bool
+    assert (result == (not overflow)) and float(result.found_inf) == float(overflow)
+
+
+def test_amp_optimizer_generic_step_reads_once_inside_step() -> None:
+    model, opt = _setup(fused=False)
+    amp = AmpOptimizer(opt)
+    amp.backward(model(torch.randn(5, 4)).square().mean())
+    with host_reads("count") as seen:
+        result = amp.step()
+    assert seen == ["item"]  # the unfused optimizer must know before it steps
+    with host_reads("raise"):
+        assert bool(result) is True
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -147,3 +167,24 @@ def test_cuda_sync_debug_mode() -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert scaler.get_scale() == 2.0**16 and scaler.skipped_steps == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_amp_optimizer_step_does_not_synchronise() -> None:
+    model = torch.nn.Linear(64, 64).cuda()
+    amp = AmpOptimizer(torch.optim.AdamW(model.parameters(), fused=True))
+    x = torch.randn(8, 64, device="cuda")
+    for _ in range(2):  # warm-up: optimizer state and scaler state exist
+        amp.backward(model(x).square().mean())
+        amp.step()
+        amp.zero_grad()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            amp.backward(model(x).square().mean())
+            result = amp.step()
+            amp.zero_grad()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert result and amp.scaler.skipped_steps == 0

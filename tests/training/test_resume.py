@@ -60,7 +60,7 @@ def _train(config: Config, model: nn.Module, amp: AmpOptimizer, steps: range,
             inject(target, step, micro, config.accum)
         if config.clip:
             amp.clip_grad_norm_(0.5)
-        trace.append((amp.step(), amp.get_scale()))
+        trace.append((bool(amp.step()), amp.get_scale()))
         amp.zero_grad()
 
 

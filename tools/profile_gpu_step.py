@@ -1,0 +1,86 @@
+"""Where a training step's time goes on a GPU: host (Python + dispatch) against device kernels.
+
+For each model and variant of ``tools/bench_gpu_training.py`` it warms up, then records
+``--steps`` training steps under ``torch.profiler`` and reports per step: wall time, the
+device's busy time (sum of kernel durations; overlapping streams aside), the number of kernel
+launches, and the top kernels and host ops. A step whose wall time is well above its device
+time is host-bound (launch and Python overhead), not bandwidth- or compute-bound.
+
+    python tools/profile_gpu_step.py [--models bert] [--variants autocast amp_rewrite]
+        [--dtype fp16] [--steps 3] [--out profile.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench_gpu_training import DTYPES, MODELS, VARIANTS, build, prepare
+
+
+def _kernel_events(prof: profile) -> list:
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def profile_variant(name: str, variant: str, dtype: torch.dtype, steps: int) -> dict:
+    device = torch.device("cuda")
+    work = build(name, False, device)
+    prepared = prepare(variant, work, dtype, False, device)
+    for _ in range(5):
+        prepared.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            prepared.step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) / steps
+    kernels = _kernel_events(prof)
+    busy = Counter()
+    for e in kernels:
+        busy[e.name[:90]] += e.device_time_total / 1000 / steps
+    host = Counter()
+    for e in prof.key_averages():
+        host[e.key[:90]] += e.self_cpu_time_total / 1000 / steps
+    return {"model": name, "variant": variant, "wall_ms": 1000 * wall,
+            "device_busy_ms": sum(busy.values()), "kernels_per_step": len(kernels) / steps,
+            "top_kernels_ms": busy.most_common(12), "top_host_self_ms": host.most_common(12)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=["bert"], choices=MODELS)
+    parser.add_argument("--variants", nargs="+", default=["autocast", "amp_rewrite"],
+                        choices=VARIANTS)
+    parser.add_argument("--dtype", default="fp16", choices=list(DTYPES))
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--tag", default="", help="label stored with the rows (env settings)")
+    parser.add_argument("--out", default="results/profile_gpu_step.json")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("CUDA is not available: this profile needs a GPU; nothing was measured.")
+        return 0
+    out = Path(args.out)
+    rows = json.loads(out.read_text()) if out.exists() else []
+    for name in args.models:
+        for variant in args.variants:
+            row = {**profile_variant(name, variant, DTYPES[args.dtype], args.steps),
+                   "tag": args.tag}
+            rows.append(row)
+            out.write_text(json.dumps(rows, indent=1))
+            print(f"{name} {variant} {args.tag}: wall {row['wall_ms']:.2f} ms, device busy "
+                  f"{row['device_busy_ms']:.2f} ms, {row['kernels_per_step']:.0f} kernels/step")
+            for kernel, ms in row["top_kernels_ms"][:6]:
+                print(f"    {ms:7.2f} ms  {kernel}")
+            for op, ms in row["top_host_self_ms"][:6]:
+                print(f"    host {ms:7.2f} ms  {op}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
