@@ -41,15 +41,17 @@ def profile_variant(name: str, variant: str, dtype: torch.dtype, steps: int) -> 
         torch.cuda.synchronize()
         wall = (time.perf_counter() - start) / steps
     kernels = _kernel_events(prof)
-    busy = Counter()
+    busy, launches = Counter(), Counter()
     for e in kernels:
         busy[e.name[:90]] += e.device_time_total / 1000 / steps
+        launches[e.name[:90]] += 1 / steps
     host = Counter()
     for e in prof.key_averages():
         host[e.key[:90]] += e.self_cpu_time_total / 1000 / steps
     return {"model": name, "variant": variant, "wall_ms": 1000 * wall,
             "device_busy_ms": sum(busy.values()), "kernels_per_step": len(kernels) / steps,
-            "top_kernels_ms": busy.most_common(12), "top_host_self_ms": host.most_common(12)}
+            "top_kernels_ms": busy.most_common(12),
+            "kernel_launches": launches.most_common(40), "top_host_self_ms": host.most_common(12)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -138,9 +138,17 @@ class PadPolicy:
       of an op with a dim below ``multiple`` (cuDNN's "Convolutional Layers User's Guide",
       Quick-Start Checklist: channels divisible by 8 to run on Tensor Cores; pad the 3-channel
       first layer).
-    * ``misaligned_slowdown`` = 1.6: time of a misaligned GEMM over the same GEMM padded,
-      measured on an H100 (issue 15: −38% time after padding, 1/0.62); applied to the whole
-      roofline time (misaligned rows also forbid 16-byte vector loads).
+    * ``misaligned_slowdown`` = 5.0: time of a misaligned GEMM over the same GEMM padded.
+      Measured on an H200 with ``tools/bench_gpu_gemm.py`` (2026-11-26, torch 2.11, cuBLAS
+      of CUDA 13): K and/or N odd ran 4.9-5.9x slower than padded in fp16 and bf16 (MLP
+      8192x4095x11007: 140 vs 692 useful TFLOP/s; GPT-2's LM head 4096x768x50257: 122 vs
+      624). The issue's earlier H100 figure was 1.6x. Applied to the whole roofline time
+      (misaligned rows also forbid 16-byte vector loads).
+    * ``pad_small_conv_channels`` = False: convolutions with fewer than ``multiple`` input
+      channels (an image stem's 3) are not padded. Measured on the same H200: ResNet-50's
+      stem (64x3x224x224, 7x7/2) ran 5x slower with C_in zero-padded to 8 in fp16 (40 vs 8
+      useful TFLOP/s; bf16 2.8x): cuDNN has kernels of its own for few channels, which the
+      Tensor-Core checklist below predates.
     * ``memory_tbps`` = 3.35: HBM3 bandwidth of the H100 SXM5 80 GB (same whitepaper).
     * ``symbolic_dim_size`` = 512: size assumed for a symbolic dim without an example size.
     * ``min_weight_elements`` = 256: ops below it are launch-bound, padding them buys nothing.
@@ -153,9 +161,10 @@ class PadPolicy:
     max_flop_ratio: float | None = None
     min_weight_elements: int = 256
     pad_activation_gemms: bool = True
+    pad_small_conv_channels: bool = False
     tensor_core_tflops: float = 989.4
     fallback_tflops: float = 133.8
-    misaligned_slowdown: float = 1.6
+    misaligned_slowdown: float = 5.0
     memory_tbps: float = 3.35
     symbolic_dim_size: int = 512
 
@@ -381,6 +390,10 @@ def should_pad(graph: PadGraph, op: PadOp, candidates: Mapping[str, DimPad],
         if role not in allowed:
             refused[role] = (f"{role} {dim.size}→{dim.padded} is over max_flop_ratio "
                              f"{policy.max_flop_ratio}")
+        elif _small_conv_channels(role, dim, policy):
+            del allowed[role]
+            refused[role] = (f"Cin {dim.size}→{dim.padded}: few-channel convs run faster "
+                             "unpadded (pad_small_conv_channels=False)")
     base = cost.seconds({})
     best, best_time = {}, base
     for size in range(1, len(allowed) + 1):
@@ -395,6 +408,11 @@ def should_pad(graph: PadGraph, op: PadOp, candidates: Mapping[str, DimPad],
             refused[role] = (f"{role} {dim.size}→{dim.padded}: cost model "
                              f"{alone * 1e6:.3g} µs padded vs {base * 1e6:.3g} µs unpadded")
     return best, refused
+
+
+def _small_conv_channels(role: str, dim: DimPad, policy: PadPolicy) -> bool:
+    return (role == "Cin" and not policy.pad_small_conv_channels
+            and isinstance(dim.size, int) and dim.size < policy.multiple)
 
 
 class _Cost:

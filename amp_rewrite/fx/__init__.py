@@ -30,7 +30,7 @@ from amp_rewrite.fx.modes import TrainEvalModule, in_mode
 from amp_rewrite.fx.pad import PadGemms
 from amp_rewrite.fx.passes import (FunctionalizeInPlace, InlineModules, MixedPrecisionOptions,
                                    MixedPrecisionPass)
-from amp_rewrite.fx.pointwise import FusePointwise, UnfuseRegions
+from amp_rewrite.fx.pointwise import CUDA_MIN_SAVED_BYTES, FusePointwise, UnfuseRegions
 from amp_rewrite.fx.view import is_cast
 
 __all__ = ["TrainEvalModule", "explain", "rewrite", "rewrite_graph"]
@@ -149,7 +149,7 @@ def rewrite_graph(gm: torch.fx.GraphModule, *, dtype: torch.dtype | str = torch.
         amp(gm)
         padding = _pad(gm, device == "cuda" if pad is None else pad)  # a policy is truthy
         emulated = _emulate_gemms(gm, _TORCH_DTYPES[low], device, fuse, emulate_gemms)
-        pointwise = FusePointwise()
+        pointwise = FusePointwise(CUDA_MIN_SAVED_BYTES if device == "cuda" else 0)
         if fuse:  # DESIGN §4: pointwise fusion last, casts and pads included
             pointwise(gm)
     gm.meta[EXPLAIN_KEY] = _with_fusions(gm, amp.explanations())

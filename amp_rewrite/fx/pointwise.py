@@ -50,6 +50,17 @@ _CASTS = (aten._to_copy.default, aten.to.dtype)
 # own on CPU at all: eager it runs as 5-6 kernels forward and more backward.
 _COMPOSITES = (aten.rms_norm.default, aten.layer_norm.default)
 
+# On CUDA a region call costs host time that ATen's own launches of the same ops do not: the
+# aot_autograd wrapper and Inductor's Python launchers of its Triton kernels, forward and
+# backward. Measured on an H200 (tools/bench_gpu_training.py and profile_gpu_step.py,
+# 2026-11-26), fusing every region made eager training steps slower by 60-80 µs per region
+# (BERT-base 32x128: 30.7 -> 40.4 ms; GPT-2 small 8x512: 24.7 -> 31.8 ms), the steps being
+# host-bound (BERT: 12.4 ms of kernels in a 22 ms autocast step). A region pays only where
+# the memory traffic it saves takes longer than that: at ~3 TB/s, 70 µs moves ~200 MB.
+CUDA_REGION_HOST_SECONDS = 70e-6
+CUDA_MEMORY_BYTES_PER_SECOND = 3.0e12  # copy rate measured on an H100 here (H200: 4.3e12)
+CUDA_MIN_SAVED_BYTES = int(CUDA_REGION_HOST_SECONDS * CUDA_MEMORY_BYTES_PER_SECOND)
+
 # (region structure, input metas, grad mode) -> compiled callable; shared by identical regions
 _COMPILED: dict[tuple, Callable] = {}
 _STATE: dict[str, Any] = {"broken": None, "compile_seconds": 0.0, "compiles": 0}
@@ -238,14 +249,46 @@ def compile_stats() -> dict[str, float]:
             "cached_variants": len(_COMPILED)}
 
 
-class FusePointwise(PassBase):
-    """Maximal pointwise regions → ``FusedRegion`` submodules (module docstring)."""
+def saved_bytes(region: Sequence[Node]) -> int:
+    """Memory traffic a region saves at its example sizes: each value that lives only inside
+    it is neither written nor read back by its readers."""
+    members = set(region)
+    saved = 0
+    for node in region:
+        if node.users and all(user in members for user in node.users):
+            saved += _example_bytes(node) * (1 + len(node.users))
+    return saved
 
-    def __init__(self) -> None:
+
+def _example_bytes(node: Node) -> int:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return 0
+    numel = 1
+    for dim in val.shape:
+        hint = dim if isinstance(dim, int) else getattr(dim.node, "hint", None)
+        if not isinstance(hint, int):
+            return 0  # unknown size: counted as saving nothing
+        numel *= hint
+    return numel * val.element_size()
+
+
+class FusePointwise(PassBase):
+    """Maximal pointwise regions → ``FusedRegion`` submodules (module docstring).
+
+    ``min_saved_bytes``: regions saving less memory traffic (``saved_bytes``) stay unfused,
+    where a region call costs more host time than its kernels save (``CUDA_MIN_SAVED_BYTES``).
+    """
+
+    def __init__(self, min_saved_bytes: int = 0) -> None:
         self.regions: list[str] = []
+        self.min_saved_bytes = min_saved_bytes
+        self.declined = 0
 
     def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
-        partitions = [p for p in propose_regions(graph_module) if len(p) > 1]
+        proposed = [p for p in propose_regions(graph_module) if len(p) > 1]
+        partitions = [p for p in proposed if saved_bytes(p) >= self.min_saved_bytes]
+        self.declined = len(proposed) - len(partitions)
         if not partitions:
             return PassResult(graph_module, False)
         # fuse_by_partitions orders a region's inputs by its nodes' order in the list it gets:
@@ -269,7 +312,8 @@ class FusePointwise(PassBase):
         return PassResult(graph_module, True)
 
     def summary(self) -> dict[str, int]:
-        return {"regions": len(self.regions), "distinct_regions": len(set(self.regions))}
+        return {"regions": len(self.regions), "distinct_regions": len(set(self.regions)),
+                "declined_as_too_small": self.declined}
 
 
 def _name_key(node: Node) -> tuple[str, int]:
