@@ -138,12 +138,14 @@ class PadPolicy:
       of an op with a dim below ``multiple`` (cuDNN's "Convolutional Layers User's Guide",
       Quick-Start Checklist: channels divisible by 8 to run on Tensor Cores; pad the 3-channel
       first layer).
-    * ``misaligned_slowdown`` = 5.0: time of a misaligned GEMM over the same GEMM padded.
-      Measured on an H200 with ``tools/bench_gpu_gemm.py`` (2026-11-26, torch 2.11, cuBLAS
-      of CUDA 13): K and/or N odd ran 4.9-5.9x slower than padded in fp16 and bf16 (MLP
-      8192x4095x11007: 140 vs 692 useful TFLOP/s; GPT-2's LM head 4096x768x50257: 122 vs
-      624). The issue's earlier H100 figure was 1.6x. Applied to the whole roofline time
-      (misaligned rows also forbid 16-byte vector loads).
+    * ``misaligned_slowdown`` = 1.6: time of a misaligned GEMM over the same GEMM padded,
+      measured on an H100 (issue 15: −38% time after padding, 1/0.62); applied to the whole
+      roofline time (misaligned rows also forbid 16-byte vector loads). Conservative: on an
+      H200 (``tools/bench_gpu_gemm.py``, 2026-11-26) compute-bound GEMMs with K and/or N odd
+      ran 4.9-5.9x slower than padded (MLP 8192x4095x11007: 140 vs 692 useful TFLOP/s; GPT-2's
+      LM head 4096x768x50257: 122 vs 624), so those pad under either figure; memory-bound
+      misaligned GEMMs, where the runtime copies decide, were not measured, and a larger
+      factor would also scale their traffic term.
     * ``pad_small_conv_channels`` = False: convolutions with fewer than ``multiple`` input
       channels (an image stem's 3) are not padded. Measured on the same H200: ResNet-50's
       stem (64x3x224x224, 7x7/2) ran 5x slower with C_in zero-padded to 8 in fp16 (40 vs 8
@@ -164,7 +166,7 @@ class PadPolicy:
     pad_small_conv_channels: bool = False
     tensor_core_tflops: float = 989.4
     fallback_tflops: float = 133.8
-    misaligned_slowdown: float = 5.0
+    misaligned_slowdown: float = 1.6
     memory_tbps: float = 3.35
     symbolic_dim_size: int = 512
 

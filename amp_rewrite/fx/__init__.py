@@ -30,6 +30,7 @@ from amp_rewrite.fx.modes import TrainEvalModule, in_mode
 from amp_rewrite.fx.pad import PadGemms
 from amp_rewrite.fx.passes import (FunctionalizeInPlace, InlineModules, MixedPrecisionOptions,
                                    MixedPrecisionPass)
+from amp_rewrite.fx.masks import DropTrivialAttentionMasks
 from amp_rewrite.fx.pointwise import CUDA_MIN_SAVED_BYTES, FusePointwise, UnfuseRegions
 from amp_rewrite.fx.view import is_cast
 
@@ -145,6 +146,8 @@ def rewrite_graph(gm: torch.fx.GraphModule, *, dtype: torch.dtype | str = torch.
         if inlined or (fused and not fill_missing_fake_values(gm)):
             refresh_fake_values(gm)
         FunctionalizeInPlace()(gm)
+        masks = DropTrivialAttentionMasks()
+        masks(gm)
         amp = MixedPrecisionPass(options)
         amp(gm)
         padding = _pad(gm, device == "cuda" if pad is None else pad)  # a policy is truthy
@@ -155,6 +158,7 @@ def rewrite_graph(gm: torch.fx.GraphModule, *, dtype: torch.dtype | str = torch.
     gm.meta[EXPLAIN_KEY] = _with_fusions(gm, amp.explanations())
     gm.amp_report = {**amp.report(), "device": device, "padding": padding,
                      "emulated_gemms": emulated,
+                     "attention_masks_dropped": masks.dropped,
                      "fused": _fused_summary(gm, pointwise),
                      "seconds": round(time.perf_counter() - start, 4)}
     _true_notes(gm.amp_report, foreign_notes)

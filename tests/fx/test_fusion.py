@@ -209,7 +209,8 @@ def test_fuse_false_keeps_the_spelled_out_attention():
     gm = amp_rewrite.rewrite(model, _qkv_mask(), dtype=torch.bfloat16, fuse=False)
     assert [t for t in _targets(gm) if "softmax" in str(t)]
     assert "fused" not in gm.code.replace("fused\": {", "")
-    assert gm.amp_report["fused"] == {"patterns": {}, "regions": 0, "distinct_regions": 0}
+    assert gm.amp_report["fused"] == {"patterns": {}, "regions": 0, "distinct_regions": 0,
+                                      "declined_as_too_small": 0}
 
 
 def test_compiled_regions_match_eager_regions_forward_and_backward(monkeypatch):
@@ -385,3 +386,25 @@ def test_fused_nodes_get_the_fake_values_a_full_propagation_gives():
         if node.op == "call_function":
             full = node.meta["val"]
             assert (filled[node.name].shape, filled[node.name].dtype) == (full.shape, full.dtype)
+
+
+def test_saved_bytes_counts_values_that_live_only_inside_a_region():
+    gm = torch.fx.symbolic_trace(nn.Sequential(nn.ReLU(), nn.Sigmoid(), nn.Tanh()))
+    for node in gm.graph.nodes:  # saved_bytes reads the example value's size
+        node.meta["val"] = torch.empty(4, 8)
+    relu, sigmoid, tanh = [n for n in gm.graph.nodes if n.op == "call_module"]
+    # relu and sigmoid outputs are written once and read once inside: 2 x 2 x 128 bytes;
+    # tanh's output leaves the region
+    assert pointwise.saved_bytes([relu, sigmoid, tanh]) == 2 * 2 * 4 * 8 * 4
+    assert pointwise.saved_bytes([sigmoid, tanh]) == 2 * 4 * 8 * 4
+
+
+def test_cuda_declines_regions_too_small_to_pay_for_their_host_time():
+    model, args = _stack()
+    on_cpu = amp_rewrite.rewrite(model, args, dtype=torch.bfloat16, device="cpu")
+    on_cuda = amp_rewrite.rewrite(model, args, dtype=torch.bfloat16, device="cuda")
+    assert on_cpu.amp_report["fused"]["regions"] > 0
+    assert on_cpu.amp_report["fused"]["declined_as_too_small"] == 0
+    assert on_cuda.amp_report["fused"]["regions"] == 0  # a few KB each, far below 210 MB
+    assert on_cuda.amp_report["fused"]["declined_as_too_small"] > 0
+    torch.testing.assert_close(on_cuda(*args), on_cpu(*args), rtol=2e-2, atol=2e-2)
