@@ -18,7 +18,8 @@ import onnx_ir as ir
 from amp_rewrite.core import GroupInfo, LowDtype, Precision, PrecisionGraph
 from amp_rewrite.onnx.io import INFERRED_SIZES, SYMBOLIC_DIM_EXTENT, walk_graphs
 from amp_rewrite.onnx.ports import (CONTROL_FLOW, PortGroup, Tie, body_graphs, control_flow_ties,
-                                    is_candidate, node_opset, port_groups, to_ir_dtype)
+                                    is_candidate, node_opset, port_groups, signature,
+                                    to_ir_dtype)
 
 INSERTED_TAG = "amp_rewrite.inserted"
 CAST_OPS = ("Cast", "CastLike")
@@ -169,24 +170,49 @@ def _add_node(view: OnnxView, node: ir.Node, opset: int, low_ir: ir.DataType) ->
         return
     if op_type in CONTROL_FLOW and domain == "" and _add_ties(view, node, opset, low_ir):
         return
-    groups = port_groups(node, opset, view.low)
+    groups = _fixed_port_groups(node, opset, view.low, low_ir)
     if not groups:
         return
-    # Only casts are ever tagged; asking every node would give each an empty metadata dict.
-    tagged = op_type == "Cast" and INSERTED_TAG in node.metadata_props
-    if op_type in CAST_OPS and domain == "" and not tagged:
-        view.model_casts.append((node, cast_dtypes(node)))
+    if op_type in CAST_OPS and domain == "":
+        # Only casts are ever tagged; asking every node would give each an empty metadata dict.
+        if op_type == "Cast" and INSERTED_TAG in node.metadata_props:
+            groups = _tagged(node, groups, low_ir)
+        else:
+            view.model_casts.append((node, cast_dtypes(node)))
     op_key = op_type if domain == "" else f"{domain}::{op_type}"
     inputs, outputs, name = node.inputs, node.outputs, node.name or ""
-    for index, pg in enumerate(groups):
-        reads = [inputs[i] for i in pg.inputs]
-        writes = [outputs[o] for o in pg.outputs]
-        fixed, reason = _group_fix(pg, reads + writes, low_ir, tagged)
+    add_group, view_groups = view.graph.add_group, view.groups
+    for index, (pg, fixed, reason) in enumerate(groups):
         key = ("node", node, index)
-        view.groups[key] = (node, pg)
-        info = GroupInfo(key, node, name, op_key, fixed, reason, savings=pg.saves_traffic,
-                         tvar=pg.label)
-        view.graph.add_group(info, inputs=reads, outputs=writes)
+        view_groups[key] = (node, pg)
+        add_group(GroupInfo(key, node, name, op_key, fixed, reason, None, pg.saves_traffic,
+                            pg.label),
+                  inputs=[inputs[i] for i in pg.inputs], outputs=[outputs[o] for o in pg.outputs])
+
+
+# signature (ports.signature) -> ((port group, fixed, reason), ...): the fix depends on the
+# group and its ports' dtypes only, which the signature holds.
+_FIXED_GROUPS: dict[tuple, tuple[tuple[PortGroup, Precision | None, str], ...]] = {}
+
+
+def _fixed_port_groups(node: ir.Node, opset: int, low: LowDtype, low_ir: ir.DataType
+                       ) -> tuple[tuple[PortGroup, Precision | None, str], ...]:
+    key = signature(node, opset, low)
+    cached = _FIXED_GROUPS.get(key)
+    if cached is None:
+        cached = _FIXED_GROUPS[key] = tuple(
+            (pg, *_group_fix(pg, _ports(node, pg), low_ir, False))
+            for pg in port_groups(node, opset, low, key))
+    return cached
+
+
+def _tagged(node: ir.Node, groups, low_ir: ir.DataType):
+    """A cast amp_rewrite inserted keeps its types: its groups fixed as they are."""
+    return tuple((pg, *_group_fix(pg, _ports(node, pg), low_ir, True)) for pg, _, _ in groups)
+
+
+def _ports(node: ir.Node, pg: PortGroup) -> list[ir.Value]:
+    return [*(node.inputs[i] for i in pg.inputs), *(node.outputs[o] for o in pg.outputs)]
 
 
 def _add_ties(view: OnnxView, node: ir.Node, opset: int, low_ir: ir.DataType) -> bool:
