@@ -11,7 +11,6 @@ nothing (their reasons are in the report): on a 50k-node model the annotations m
 from __future__ import annotations
 
 import logging
-import math
 import sys
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -24,11 +23,11 @@ import onnx_ir as ir
 from amp_rewrite.core import CastPlan, Precision, PrecisionPlan
 from amp_rewrite.onnx import convert
 from amp_rewrite.onnx.ports import to_ir_dtype
-from amp_rewrite.onnx.view import FLOAT32_SENTINEL, INSERTED_TAG, OnnxView, cast_dtypes
+from amp_rewrite.onnx.view import (FLOAT32_SENTINEL, INSERTED_TAG, SMALL_TENSOR_BYTES, OnnxView,
+                                   cast_dtypes)
 
 logger = logging.getLogger(__name__)
 REASON_KEY = "amp_rewrite.reason"
-SMALL_TENSOR_BYTES = 1 << 16  # see _stored_tensor
 
 
 @dataclass
@@ -171,7 +170,7 @@ def _convert(array: np.ndarray, target: ir.DataType) -> tuple[np.ndarray, int]:
 def _convert_sources(view: OnnxView, plan: PrecisionPlan, low_ir, stats: ApplyStats) -> None:
     low = [(value, node) for key, (g, value, node) in view.sources.items()
            if plan.precision(key) is Precision.LOW and value.dtype != low_ir]
-    converted = _small_initializers_converted(low, low_ir)
+    converted = _small_initializers_converted(view, low, low_ir)
     for value, node in low:
         if value in converted:  # 2-byte elements: their count without onnx_ir's shape
             _count_conversion(value, len(converted[value].raw.raw_data) // 2, 0, stats)
@@ -183,46 +182,35 @@ def _convert_sources(view: OnnxView, plan: PrecisionPlan, low_ir, stats: ApplySt
             value.dtype = low_ir
 
 
-def _small_initializers_converted(sources: list[tuple[ir.Value, ir.Node | None]],
+def _small_initializers_converted(view: OnnxView,
+                                  sources: list[tuple[ir.Value, ir.Node | None]],
                                   low_ir: ir.DataType) -> dict[ir.Value, ir.TensorProtocol]:
-    """Small float32 initializers stored as raw bytes, converted in one numpy call over
-    their joined bytes: one call per tensor cost ~40 µs, 0.8 s for the 20k weights of a
-    50k-node chain. Each result is what ``_convert`` + ``_stored_tensor`` give it alone (an
-    elementwise conversion). Empty where any value overflows: those are clamped and counted
-    tensor by tensor (``_convert``)."""
-    batch = [(value, raw) for value, node in sources if node is None
-             and (raw := _small_float32_bytes(value.const_value)) is not None]
-    if not batch:
+    """Small float32 initializers stored as raw bytes (``view.small``, joined once for the
+    range check), converted in one call over the joined array: one call per tensor cost
+    ~40 µs, 0.8 s for the 20k weights of a 50k-node chain. Each result is what ``_convert``
+    + ``_stored_tensor`` give it alone (an elementwise conversion). Empty where any of them
+    overflows: those are clamped and counted tensor by tensor (``_convert``)."""
+    small = view.small
+    if small is None:  # a view not built by build_view
         return {}
-    flat = np.frombuffer(b"".join(raw for _, raw in batch), "<f4")
+    picked = [(value, i) for value, node in sources
+              if node is None and (i := small.index.get(value)) is not None]
+    if not picked:
+        return {}
     if low_ir == ir.DataType.FLOAT16:
-        low, overflowed = convert.to_float16(flat)
+        low, overflowed = convert.to_float16(small.data)
     else:
-        low = flat.astype(ml_dtypes.bfloat16)
+        low = small.data.astype(ml_dtypes.bfloat16)
         overflowed = convert.has_inf(low)
-    if overflowed:
+    starts = small.starts
+    if overflowed and any(convert.has_inf(low[starts[i]:starts[i + 1]]) for _, i in picked):
         return {}
-    data, start, converted = low.tobytes(), 0, {}
-    for value, raw in batch:
-        end = start + len(raw) // 2
+    data, converted = low.tobytes(), {}
+    for value, i in picked:
         converted[value] = ir.serde.TensorProtoTensor(onnx.TensorProto(
-            name=value.name, dims=value.const_value.raw.dims, raw_data=data[start:end],
-            data_type=int(low_ir)))
-        start = end
+            name=value.name, dims=value.const_value.raw.dims,
+            raw_data=data[2 * starts[i]:2 * starts[i + 1]], data_type=int(low_ir)))
     return converted
-
-
-def _small_float32_bytes(tensor) -> bytes | None:
-    """The raw little-endian bytes of a small float32 TensorProto (see ``_stored_tensor``)."""
-    if not isinstance(tensor, ir.serde.TensorProtoTensor) or sys.byteorder != "little":
-        return None
-    proto = tensor.raw
-    if (proto.data_type != onnx.TensorProto.FLOAT or not proto.raw_data
-            or proto.data_location == onnx.TensorProto.EXTERNAL):
-        return None
-    raw = proto.raw_data  # the element count from the proto's dims: onnx_ir's shape is slow
-    return raw if len(raw) <= SMALL_TENSOR_BYTES and len(raw) == 4 * math.prod(proto.dims) \
-        else None
 
 
 def _stored_array(value: ir.Value, node: ir.Node | None) -> bool:

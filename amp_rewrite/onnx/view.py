@@ -8,6 +8,8 @@ once, in the outer graph, next to the producer.
 """
 from __future__ import annotations
 
+import math
+import sys
 from dataclasses import dataclass, field
 
 import ml_dtypes
@@ -49,6 +51,7 @@ class OnnxView:
     # Large float32 constants seen finite and within the low dtype's range: converting them
     # cannot overflow, so the streamed conversion skips its ±inf check (apply._streams).
     in_range: set[ir.Value] = field(default_factory=set)
+    small: SmallFloat32 | None = None  # small raw float32 constants, joined (_small_float32)
     opsets: dict[str, int] = field(default_factory=dict)  # the model's opset imports
 
 
@@ -72,8 +75,9 @@ def build_view(model: ir.Model, low: LowDtype, *, keep_io_types: bool = True,
     """
     graphs = list(walk_graphs(model.graph)) if graphs is None else graphs
     view = OnnxView(PrecisionGraph(), low, graphs, clamp_constants=clamp_constants)
+    view.small, others = _small_float32(graphs)
     if not clamp_constants:
-        view.range_problems = _range_problems(graphs, low, view.in_range)
+        view.range_problems = _range_problems(view.small, others, low, view.in_range)
     low_ir = to_ir_dtype(low)
     opsets = view.opsets = dict(model.opset_imports)
     inferred = model.meta.get(INFERRED_SIZES, {})
@@ -277,23 +281,47 @@ def _wide(view: OnnxView, value: ir.Value, tensor) -> str | None:
     return f"{problem}: kept fp32 with its readers (no clamp)"
 
 
-def _range_problems(graphs: list[ir.Graph], low: LowDtype,
+@dataclass
+class SmallFloat32:
+    """Small float32 constants stored as raw bytes (biases, norm weights, most weights of a
+    long chain), their elements joined end to end: the range check (``_range_problems``)
+    and the conversion (``apply``) each run once over all of them. One numpy call per
+    tensor cost 1.3 s at 33k initializers."""
+
+    values: list[ir.Value]
+    data: np.ndarray  # float32
+    starts: np.ndarray  # int64: tensor i is data[starts[i]:starts[i + 1]]
+    index: dict[ir.Value, int]  # value -> i
+
+
+def _small_float32(graphs: list[ir.Graph]) -> tuple[SmallFloat32, list[tuple[ir.Value, object]]]:
+    """The float32 initializers and ``Constant(value=...)`` tensors: the small raw ones
+    joined, and the others (value, tensor)."""
+    small: list[tuple[ir.Value, bytes]] = []
+    others = []
+    for value, tensor in _float_constants(graphs):
+        raw = small_float32_bytes(tensor)
+        if raw is None:
+            others.append((value, tensor))
+        else:
+            small.append((value, raw))
+    sizes = np.fromiter((len(raw) // 4 for _, raw in small), np.int64, len(small))
+    return SmallFloat32([v for v, _ in small],
+                        np.frombuffer(b"".join(raw for _, raw in small), "<f4"),
+                        np.concatenate(([0], np.cumsum(sizes))),
+                        {v: i for i, (v, _) in enumerate(small)}), others
+
+
+def _range_problems(small: SmallFloat32, others: list[tuple[ir.Value, object]], low: LowDtype,
                     in_range: set[ir.Value]) -> dict[ir.Value, str]:
     """``range_problem`` of every float32 initializer and ``Constant(value=...)``; large
     ones that fit go to ``in_range``.
 
-    Small tensors stored as raw bytes (biases, norm weights, most weights of a long chain)
-    are screened together: one max|x| per tensor over their joined bytes, the full check
-    only for the few that come near a limit. One numpy call per tensor cost 1.3 s at 33k
-    initializers.
+    The small ones are screened together: one max|x| per tensor over the joined array, the
+    full check only for the few that come near a limit.
     """
-    batch: list[tuple[ir.Value, bytes]] = []
     problems: dict[ir.Value, str] = {}
-    for value, tensor in _float_constants(graphs):
-        raw = _small_raw_bytes(tensor)
-        if raw is not None:
-            batch.append((value, raw))
-            continue
+    for value, tensor in others:
         try:
             array = tensor.numpy()
         except Exception:  # malformed data: left to the conversion to report, as before
@@ -308,14 +336,12 @@ def _range_problems(graphs: list[ir.Graph], low: LowDtype,
         if isinstance(tensor, ir.ExternalTensor):  # unmap: its pages count in our RSS
             del array
             tensor.release()
-    if batch:
-        flat = np.frombuffer(b"".join(raw for _, raw in batch), "<f4")
-        sizes = np.fromiter((len(raw) // 4 for _, raw in batch), np.int64, len(batch))
-        starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
-        fits = _fits(np.maximum.reduceat(np.abs(flat), starts), low)
+    if small.values:
+        fits = _fits(np.maximum.reduceat(np.abs(small.data), small.starts[:-1]), low)
         for i in np.flatnonzero(~fits):
-            value, raw = batch[i]
-            problem = range_problem(np.frombuffer(raw, "<f4"), low, addend=only_summed(value))
+            value = small.values[i]
+            problem = range_problem(small.data[small.starts[i]:small.starts[i + 1]], low,
+                                    addend=only_summed(value))
             if problem:
                 problems[value] = problem
     return problems
@@ -365,16 +391,22 @@ def _float_constants(graphs: list[ir.Graph]):
                     yield out, node.attributes["value"].value
 
 
-def _small_raw_bytes(tensor) -> bytes | None:
-    """The little-endian float32 bytes of a small tensor stored as a TensorProto, or None."""
-    if not isinstance(tensor, ir.serde.TensorProtoTensor):
+SMALL_TENSOR_BYTES = 1 << 16  # see apply._stored_tensor
+
+
+def small_float32_bytes(tensor) -> bytes | None:
+    """The raw little-endian bytes of a small float32 tensor stored as a TensorProto (see
+    ``apply._stored_tensor``), or None. The element count comes from the proto's dims:
+    onnx_ir's shape is slow."""
+    if not isinstance(tensor, ir.serde.TensorProtoTensor) or sys.byteorder != "little":
         return None
     proto = tensor.raw
-    raw = proto.raw_data
-    if (not raw or len(raw) % 4 or len(raw) > 1 << 16
+    if (proto.data_type != onnx.TensorProto.FLOAT or not proto.raw_data
             or proto.data_location == onnx.TensorProto.EXTERNAL):
         return None
-    return raw
+    raw = proto.raw_data
+    return raw if len(raw) <= SMALL_TENSOR_BYTES and len(raw) == 4 * math.prod(proto.dims) \
+        else None
 
 
 # A value this far below the tensor's largest is under its rounding error in any sum or
