@@ -129,14 +129,6 @@ def _ordered_region(graph: PrecisionGraph, values: list[Hashable],
     return Region(tuple(groups), tuple(values))
 
 
-def traffic_units(graph: PrecisionGraph, group: Hashable) -> int:
-    """Bytes a group reads and writes: what running it low halves."""
-    if not graph._groups[group].savings:
-        return 0
-    values = graph._values
-    return sum(values[v].nbytes or 1 for v in (*graph._inputs[group], *graph._outputs[group]))
-
-
 def traffic_weight(savings_weight: float) -> int:
     """Capacity per traffic byte: β cast-bytes' worth, plus one so ties still go low."""
     if savings_weight < 0:
@@ -198,7 +190,10 @@ def canonical(graph: PrecisionGraph, region: Region, fixed: dict[Hashable, Preci
     # The hot loop of a region as large as the model (a residual stream): the graph's dicts
     # are read directly, and the free-read test is skipped where there are none (ONNX).
     index = {g: i for i, g in enumerate(region.groups)}
-    producer, consumers, values = graph._producer, graph._consumers, graph._values
+    producer, consumers = graph._producer, graph._consumers
+    inputs, outputs, groups = graph._inputs, graph._outputs, graph._groups
+    # graph.cost_units of every value the region's groups touch (all are region values)
+    units = {v: graph._values[v].nbytes or 1 for v in region.values}
     low = Precision.LOW
 
     def ref(g: Hashable) -> Ref:
@@ -206,7 +201,7 @@ def canonical(graph: PrecisionGraph, region: Region, fixed: dict[Hashable, Preci
         return fixed[g] if i is None else i
 
     def term(v: Hashable, readers: list[Hashable]) -> Term:
-        weight = CAST_WEIGHT * (values[v].nbytes or 1)  # graph.cost_units
+        weight = CAST_WEIGHT * units[v]
         if not free:
             return weight, ref(producer[v]), tuple(map(ref, readers)), ()
         paid, low_only = [], []
@@ -219,9 +214,16 @@ def canonical(graph: PrecisionGraph, region: Region, fixed: dict[Hashable, Preci
             # else: a fixed HIGH free reader never needs a cast of v
         return weight, ref(producer[v]), tuple(paid), tuple(low_only)
 
+    def traffic(g: Hashable) -> int:
+        """Bytes the group reads and writes (what running it low halves), weighted."""
+        if not groups[g].savings:
+            return 0
+        return per_traffic_byte * (sum(map(units.__getitem__, inputs[g]))
+                                   + sum(map(units.__getitem__, outputs[g])))
+
     terms = tuple(term(v, consumers[v]) for v in region.values
                   if consumers[v] and v in producer)
-    return terms, tuple(per_traffic_byte * traffic_units(graph, g) for g in region.groups)
+    return terms, tuple(map(traffic, region.groups))
 
 
 def solve_canonical(terms: tuple[Term, ...], traffic: tuple[int, ...]) -> tuple[Precision, ...]:
