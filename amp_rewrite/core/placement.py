@@ -344,11 +344,15 @@ def settled_sources(graph: PrecisionGraph, fixed: dict[Hashable, Precision],
     Readers fixed HIGH that read the source for free want nothing.
     """
     settled = {}
+    outputs, consumers = graph._outputs, graph._consumers
     for key, group in graph._groups.items():
         if key in fixed or group.savings or graph._inputs[key]:
             continue
-        wanted = {fixed.get(c) for v in graph._outputs[key] for c in graph._consumers[v]
-                  if (v, c) not in free or fixed.get(c) is not Precision.HIGH}
+        if not free:  # ONNX: no promoting reader, every reader counts
+            wanted = {fixed.get(c) for v in outputs[key] for c in consumers[v]}
+        else:
+            wanted = {fixed.get(c) for v in outputs[key] for c in consumers[v]
+                      if (v, c) not in free or fixed.get(c) is not Precision.HIGH}
         if len(wanted) == 1 and None not in wanted:
             settled[key] = wanted.pop()
     return settled

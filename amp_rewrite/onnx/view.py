@@ -137,8 +137,9 @@ def _add_sources(view: OnnxView, g: ir.Graph, low_ir: ir.DataType, is_main: bool
             reason = ("graph input keeps its dtype (keep_io_types)" if is_main
                       else "subgraph input keeps its dtype")
             _source(view, g, v, None, _current(v, low_ir) if keep else None, reason)
+    inputs = set(g.inputs)  # ``in g.inputs`` scans the list: slow for many inputs
     for v in g.initializers.values():
-        if is_candidate(v, low_ir) and v not in g.inputs:
+        if is_candidate(v, low_ir) and v not in inputs:
             if v.dtype == low_ir:
                 _source(view, g, v, None, Precision.LOW, "initializer already low in the model")
                 continue
