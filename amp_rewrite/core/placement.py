@@ -94,37 +94,39 @@ def _component(graph: PrecisionGraph, start: Hashable, labels: dict[Hashable, Pr
     producer, consumers = graph._producer, graph._consumers
     inputs, outputs = graph._inputs, graph._outputs
     groups, values, seen = [start], [], set()
+
+    def reach(group: Hashable) -> None:
+        if group not in labels and group not in assigned:
+            assigned.add(group)
+            groups.append(group)
+
     for group in groups:  # grows while it is walked
-        for value in (*inputs[group], *outputs[group]):
+        for value in itertools.chain(inputs[group], outputs[group]):
             if value in seen:
                 continue
             seen.add(value)
             values.append(value)
             p = producer.get(value)
-            for end in consumers[value] if p is None else (p, *consumers[value]):
-                if end not in labels and end not in assigned:
-                    assigned.add(end)
-                    groups.append(end)
+            if p is not None:
+                reach(p)
+            for end in consumers[value]:
+                reach(end)
     return values
 
 
 def _ordered_region(graph: PrecisionGraph, values: list[Hashable],
                     labels: dict[Hashable, Precision]) -> Region:
-    groups = dict.fromkeys(g for v in values for g in _endpoints(graph, v) if g not in labels)
+    """The region's free groups in order of their values (producer first, then readers)."""
+    producer, consumers = graph._producer, graph._consumers
+    groups: dict[Hashable, None] = {}  # insertion-ordered set
+    for v in values:
+        p = producer.get(v)
+        if p is not None and p not in labels:
+            groups[p] = None
+        for c in consumers[v]:
+            if c not in labels:
+                groups[c] = None
     return Region(tuple(groups), tuple(values))
-
-
-def _endpoints(graph: PrecisionGraph, value: Hashable) -> list[Hashable]:
-    producer = graph.producer(value)
-    consumers = graph.consumers(value)
-    return ([producer] if producer is not None else []) + consumers
-
-
-def traffic_units(graph: PrecisionGraph, group: Hashable) -> int:
-    """Bytes a group reads and writes: what running it low halves."""
-    if not graph.group(group).savings:
-        return 0
-    return sum(graph.cost_units(v) for v in (*graph.inputs(group), *graph.outputs(group)))
 
 
 def traffic_weight(savings_weight: float) -> int:
@@ -185,27 +187,43 @@ Term = tuple[int, Ref, tuple[Ref, ...], tuple[int, ...]]
 def canonical(graph: PrecisionGraph, region: Region, fixed: dict[Hashable, Precision],
               per_traffic_byte: int = 1, free: FreeReads = frozenset()
               ) -> tuple[tuple[Term, ...], tuple[int, ...]]:
+    # The hot loop of a region as large as the model (a residual stream): the graph's dicts
+    # are read directly, and the free-read test is skipped where there are none (ONNX).
     index = {g: i for i, g in enumerate(region.groups)}
+    producer, consumers = graph._producer, graph._consumers
+    inputs, outputs, groups = graph._inputs, graph._outputs, graph._groups
+    # graph.cost_units of every value the region's groups touch (all are region values)
+    units = {v: graph._values[v].nbytes or 1 for v in region.values}
+    low = Precision.LOW
 
     def ref(g: Hashable) -> Ref:
         i = index.get(g)
         return fixed[g] if i is None else i
 
-    def term(v: Hashable) -> Term:
+    def term(v: Hashable, readers: list[Hashable]) -> Term:
+        weight = CAST_WEIGHT * units[v]
+        if not free:
+            return weight, ref(producer[v]), tuple(map(ref, readers)), ()
         paid, low_only = [], []
-        for c in graph.consumers(v):
+        for c in readers:
             r = ref(c)
-            if (v, c) not in free or r is Precision.LOW:
+            if (v, c) not in free or r is low:
                 paid.append(r)
             elif isinstance(r, int):
                 low_only.append(r)
             # else: a fixed HIGH free reader never needs a cast of v
-        return CAST_WEIGHT * graph.cost_units(v), ref(graph.producer(v)), tuple(paid), \
-            tuple(low_only)
+        return weight, ref(producer[v]), tuple(paid), tuple(low_only)
 
-    terms = tuple(term(v) for v in region.values
-                  if graph.consumers(v) and graph.producer(v) is not None)
-    return terms, tuple(per_traffic_byte * traffic_units(graph, g) for g in region.groups)
+    def traffic(g: Hashable) -> int:
+        """Bytes the group reads and writes (what running it low halves), weighted."""
+        if not groups[g].savings:
+            return 0
+        return per_traffic_byte * (sum(map(units.__getitem__, inputs[g]))
+                                   + sum(map(units.__getitem__, outputs[g])))
+
+    terms = tuple(term(v, consumers[v]) for v in region.values
+                  if consumers[v] and v in producer)
+    return terms, tuple(map(traffic, region.groups))
 
 
 def solve_canonical(terms: tuple[Term, ...], traffic: tuple[int, ...]) -> tuple[Precision, ...]:
@@ -326,11 +344,15 @@ def settled_sources(graph: PrecisionGraph, fixed: dict[Hashable, Precision],
     Readers fixed HIGH that read the source for free want nothing.
     """
     settled = {}
+    outputs, consumers = graph._outputs, graph._consumers
     for key, group in graph._groups.items():
         if key in fixed or group.savings or graph._inputs[key]:
             continue
-        wanted = {fixed.get(c) for v in graph._outputs[key] for c in graph._consumers[v]
-                  if (v, c) not in free or fixed.get(c) is not Precision.HIGH}
+        if not free:  # ONNX: no promoting reader, every reader counts
+            wanted = {fixed.get(c) for v in outputs[key] for c in consumers[v]}
+        else:
+            wanted = {fixed.get(c) for v in outputs[key] for c in consumers[v]
+                      if (v, c) not in free or fixed.get(c) is not Precision.HIGH}
         if len(wanted) == 1 and None not in wanted:
             settled[key] = wanted.pop()
     return settled

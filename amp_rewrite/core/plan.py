@@ -73,8 +73,8 @@ def plan_precision(graph: PrecisionGraph, rules: RuleSet, *, keep_fp32: Iterable
         labels = _with_free_anchors(graph, fixed, savings_weight, labels, candidates)
         free = placement.justified_reads(graph, labels, candidates)
     casts = plan_casts(graph, labels, free)
-    decisions = {g.key: _decision(labels[g.key], classes[g.key], fixes.get(g.key))
-                 for g in graph.groups()}
+    decisions = {key: _decision(labels[key], classes[key], fixes.get(key))
+                 for key in graph._groups}
     return PrecisionPlan(MappingProxyType(decisions), casts, _cast_units(graph, casts))
 
 

@@ -23,9 +23,9 @@ SCHEMA_VERSION = 1
 RULE_CLASSES = (OpClass.ALLOW, OpClass.DENY, OpClass.GRAY, OpClass.CLEAR)
 ENV_FILES = "AMP_REWRITE_RULES"
 ENV_PREFIX = "AMP_REWRITE_"
-# Variables of the package that are not rule lists (bench and tools read them).
+# Variables of the package that are not rule lists (runtime, bench and tools read them).
 OTHER_ENV_VARS = frozenset({"AMP_REWRITE_CACHE", "AMP_REWRITE_MODELOPT_PYTHON",
-                            "AMP_REWRITE_FUSED_BACKEND"})
+                            "AMP_REWRITE_FUSED_BACKEND", "AMP_REWRITE_FORK"})
 
 
 def env_op_list_names() -> list[str]:

@@ -133,6 +133,7 @@ def _converted(model: ir.Model, opset: int) -> ir.Model:
     if converted is not model:
         converted.meta.update(model.meta)
         converted.meta.pop(io.FLAT, None)  # the converter may write subgraphs: walk again
+        converted.meta.pop(io.TYPED, None)  # and values without a type
         source = model.meta.get(io.SOURCE_PATH)
         if source is not None:  # external weights stay beside the input
             ir.external_data.set_base_dir(converted.graph, Path(source).parent)

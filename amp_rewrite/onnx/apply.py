@@ -11,7 +11,6 @@ nothing (their reasons are in the report): on a 50k-node model the annotations m
 from __future__ import annotations
 
 import logging
-import math
 import sys
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -24,11 +23,11 @@ import onnx_ir as ir
 from amp_rewrite.core import CastPlan, Precision, PrecisionPlan
 from amp_rewrite.onnx import convert
 from amp_rewrite.onnx.ports import to_ir_dtype
-from amp_rewrite.onnx.view import FLOAT32_SENTINEL, INSERTED_TAG, OnnxView, cast_dtypes
+from amp_rewrite.onnx.view import (FLOAT32_SENTINEL, INSERTED_TAG, SMALL_TENSOR_BYTES, OnnxView,
+                                   cast_dtypes)
 
 logger = logging.getLogger(__name__)
 REASON_KEY = "amp_rewrite.reason"
-SMALL_TENSOR_BYTES = 1 << 16  # see _stored_tensor
 
 
 @dataclass
@@ -169,60 +168,57 @@ def _convert(array: np.ndarray, target: ir.DataType) -> tuple[np.ndarray, int]:
 
 
 def _convert_sources(view: OnnxView, plan: PrecisionPlan, low_ir, stats: ApplyStats) -> None:
+    decisions = plan.decisions
     low = [(value, node) for key, (g, value, node) in view.sources.items()
-           if plan.precision(key) is Precision.LOW and value.dtype != low_ir]
-    converted = _small_initializers_converted(low, low_ir)
+           if decisions[key].precision is Precision.LOW and value.dtype != low_ir]
+    converted, elements = _small_initializers_converted(view, low, low_ir)
+    for value, tensor in converted.items():
+        value.const_value = tensor
+        value.dtype = low_ir
+    stats.constants_converted += len(converted)  # none clamped: see the function
+    stats.constant_bytes_converted += 4 * elements
     for value, node in low:
-        if value in converted:  # 2-byte elements: their count without onnx_ir's shape
-            _count_conversion(value, len(converted[value].raw.raw_data) // 2, 0, stats)
-            value.const_value = converted[value]
-            value.dtype = low_ir
-        elif value.const_value is not None or node is not None:
+        if value in converted:
+            continue
+        if value.const_value is not None or node is not None:
             _convert_constant_in_place(view, value, node, low_ir, stats)
         else:  # a main-graph input with keep_io_types off
             value.dtype = low_ir
 
 
-def _small_initializers_converted(sources: list[tuple[ir.Value, ir.Node | None]],
-                                  low_ir: ir.DataType) -> dict[ir.Value, ir.TensorProtocol]:
-    """Small float32 initializers stored as raw bytes, converted in one numpy call over
-    their joined bytes: one call per tensor cost ~40 µs, 0.8 s for the 20k weights of a
-    50k-node chain. Each result is what ``_convert`` + ``_stored_tensor`` give it alone (an
-    elementwise conversion). Empty where any value overflows: those are clamped and counted
-    tensor by tensor (``_convert``)."""
-    batch = [(value, raw) for value, node in sources if node is None
-             and (raw := _small_float32_bytes(value.const_value)) is not None]
-    if not batch:
-        return {}
-    flat = np.frombuffer(b"".join(raw for _, raw in batch), "<f4")
+def _small_initializers_converted(view: OnnxView,
+                                  sources: list[tuple[ir.Value, ir.Node | None]],
+                                  low_ir: ir.DataType
+                                  ) -> tuple[dict[ir.Value, ir.TensorProtocol], int]:
+    """Small float32 initializers stored as raw bytes (``view.small``, joined once for the
+    range check), converted in one call over the joined array: one call per tensor cost
+    ~40 µs, 0.8 s for the 20k weights of a 50k-node chain. Each result is what ``_convert``
+    + ``_stored_tensor`` give it alone (an elementwise conversion). Empty where any of them
+    overflows: those are clamped and counted tensor by tensor (``_convert``). Also returns
+    how many elements were converted."""
+    small = view.small
+    if small is None:  # a view not built by build_view
+        return {}, 0
+    picked = [(value, i) for value, node in sources
+              if node is None and (i := small.index.get(value)) is not None]
+    if not picked:
+        return {}, 0
     if low_ir == ir.DataType.FLOAT16:
-        low, overflowed = convert.to_float16(flat)
+        low, overflowed = convert.to_float16(small.data)
     else:
-        low = flat.astype(ml_dtypes.bfloat16)
+        low = small.data.astype(ml_dtypes.bfloat16)
         overflowed = convert.has_inf(low)
-    if overflowed:
-        return {}
-    data, start, converted = low.tobytes(), 0, {}
-    for value, raw in batch:
-        end = start + len(raw) // 2
+    starts = small.starts.tolist()  # Python ints: numpy scalars slow the loop below
+    if overflowed and any(convert.has_inf(low[starts[i]:starts[i + 1]]) for _, i in picked):
+        return {}, 0
+    data, converted, elements, dtype = low.tobytes(), {}, 0, int(low_ir)
+    for value, i in picked:
+        begin, end = starts[i], starts[i + 1]
+        elements += end - begin
         converted[value] = ir.serde.TensorProtoTensor(onnx.TensorProto(
-            name=value.name, dims=value.const_value.raw.dims, raw_data=data[start:end],
-            data_type=int(low_ir)))
-        start = end
-    return converted
-
-
-def _small_float32_bytes(tensor) -> bytes | None:
-    """The raw little-endian bytes of a small float32 TensorProto (see ``_stored_tensor``)."""
-    if not isinstance(tensor, ir.serde.TensorProtoTensor) or sys.byteorder != "little":
-        return None
-    proto = tensor.raw
-    if (proto.data_type != onnx.TensorProto.FLOAT or not proto.raw_data
-            or proto.data_location == onnx.TensorProto.EXTERNAL):
-        return None
-    raw = proto.raw_data  # the element count from the proto's dims: onnx_ir's shape is slow
-    return raw if len(raw) <= SMALL_TENSOR_BYTES and len(raw) == 4 * math.prod(proto.dims) \
-        else None
+            name=value.name, dims=value.const_value.raw.dims, raw_data=data[2 * begin:2 * end],
+            data_type=dtype))
+    return converted, elements
 
 
 def _stored_array(value: ir.Value, node: ir.Node | None) -> bool:

@@ -35,6 +35,9 @@ SYMBOLIC_DIM_EXTENT = 64  # nominal size of a symbolic dim (batch, sequence) for
 
 
 FLAT = "amp_rewrite.flat"  # model.meta key: no node held a graph attribute at load
+# model.meta key: a flat model whose node outputs all had a dtype after loading
+# (``passes.infer_missing_types`` has nothing to add then)
+TYPED = "amp_rewrite.typed"
 
 
 def model_graphs(model: ir.Model) -> list[ir.Graph]:
@@ -401,12 +404,14 @@ def _with_inferred_facts(model: ir.Model, facts: Callable[[], dict[str, TensorFa
     undescribed = [v for g in graphs for node in g for v in node.outputs
                    if v.name and (v.type is None or v.shape is None)]
     untyped = {v for v in undescribed if v.type is None}
+    model.meta[TYPED] = len(graphs) == 1  # until an untyped value stays untyped
     if not untyped:
         return model
     model.meta[UNTYPED_AT_LOAD] = untyped
     facts = facts()
     if isinstance(facts, str):  # a partial answer is still better than none: keep going
         logger.info("shape inference failed (%s); sizes of some values unknown", facts)
+        model.meta[TYPED] = False
         return model
     sizes = model.meta.setdefault(INFERRED_SIZES, {})
     for v in undescribed:
@@ -416,6 +421,8 @@ def _with_inferred_facts(model: ir.Model, facts: Callable[[], dict[str, TensorFa
                 v.dtype = fact[0]
             if v.shape is None:
                 sizes[v.name] = fact[1]
+        elif v.type is None:
+            model.meta[TYPED] = False
     return model
 
 

@@ -78,10 +78,11 @@ def pad_model(model: ir.Model, policy: PadPolicy | None = None,
         return stats
     graph = model.graph
     policy = policy or PadPolicy()
-    if not _misaligned_weights(graph, low, policy.multiple) and not (
-            policy.pad_activation_gemms and _activation_gemms(graph, low)):
+    gemms = _low_gemms(graph, low)  # one walk for both looks below
+    if not _misaligned_weights(gemms, policy.multiple) and not (
+            policy.pad_activation_gemms and _activation_gemms(gemms)):
         return stats  # nothing a plan could pad: skip the shape inference below
-    if _needs_shapes(graph, low):
+    if _needs_shapes(gemms):
         # Loading keeps inferred dtypes and sizes, not shapes (io._with_inferred_facts); the
         # plan needs the shapes around GEMMs/convs, so infer them once more, only here.
         ir.passes.common.ShapeInferencePass(strict_mode=False)(model)
@@ -97,16 +98,20 @@ _GEMMS = ("MatMul", "Gemm", "Conv")
 _GRAPH_OUTPUTS = "amp_rewrite.graph_outputs"  # key of the pad graph's output reader
 
 
-def _misaligned_weights(graph: ir.Graph, low: tuple[ir.DataType, ...], multiple: int) -> bool:
+def _low_gemms(graph: ir.Graph, low: tuple[ir.DataType, ...]) -> list[ir.Node]:
+    """The graph's GEMMs/convs that compute in a low dtype."""
+    return [n for n in graph if n.op_type in _GEMMS and n.domain == ""
+            and n.outputs[0].dtype in low]
+
+
+def _misaligned_weights(gemms: list[ir.Node], multiple: int) -> bool:
     """Whether some low GEMM/conv has a weight with a misaligned static K/N/channel dim.
 
     Without ``pad_activation_gemms`` only GEMMs/convs with a constant operand are padded,
     and a weight holds every padded dim (K and N; a conv's channels), so this cheap look at
     initializer shapes decides whether planning can find anything.
     """
-    for n in graph:
-        if n.op_type not in _GEMMS or n.domain != "" or n.outputs[0].dtype not in low:
-            continue
+    for n in gemms:
         for w in n.inputs[:2]:
             if w is not None and w.shape is not None and is_constant(w) and len(w.shape) >= 2:
                 dims = w.shape[:2] if n.op_type == "Conv" else w.shape[-2:]
@@ -115,18 +120,17 @@ def _misaligned_weights(graph: ir.Graph, low: tuple[ir.DataType, ...], multiple:
     return False
 
 
-def _activation_gemms(graph: ir.Graph, low: tuple[ir.DataType, ...]) -> bool:
+def _activation_gemms(gemms: list[ir.Node]) -> bool:
     """Whether some low MatMul multiplies two activations (attention): its token dims are
     only known after shape inference."""
-    return any(n.op_type == "MatMul" and n.domain == "" and n.outputs[0].dtype in low
-               and not any(v is not None and is_constant(v) for v in n.inputs)
-               for n in graph)
+    return any(n.op_type == "MatMul" and not any(v is not None and is_constant(v)
+                                                 for v in n.inputs)
+               for n in gemms)
 
 
-def _needs_shapes(graph: ir.Graph, low: tuple[ir.DataType, ...]) -> bool:
-    return any(n.op_type in _GEMMS and n.domain == "" and n.outputs[0].dtype in low
-               and any(v is not None and v.shape is None for v in (*n.inputs, *n.outputs))
-               for n in graph)
+def _needs_shapes(gemms: list[ir.Node]) -> bool:
+    return any(v is not None and v.shape is None
+               for n in gemms for v in (*n.inputs, *n.outputs))
 
 
 def _shape(value: ir.Value, symbols: dict[str, tuple[ir.Value, int]]) -> tuple | None:

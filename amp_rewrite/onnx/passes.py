@@ -67,7 +67,9 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
             self.fusion = FusionPass(self.options.target)
             self.fusion(model)
         graphs = io.model_graphs(model)  # one walk for both steps
-        infer_missing_types(model, graphs)
+        typed = model.meta.pop(io.TYPED, False)  # as loaded: fusion may add untyped values
+        if not typed or (self.fusion and self.fusion.rule_hits):
+            infer_missing_types(model, graphs)
         self.view = build_view(model, self.options.dtype,
                                keep_io_types=self.options.keep_io_types, graphs=graphs,
                                clamp_constants=self.options.clamp_constants)

@@ -91,14 +91,21 @@ def _port_signature(v: ir.Value | None) -> object:
 _CACHE: dict[tuple, tuple[PortGroup, ...]] = {}
 
 
-def port_groups(node: ir.Node, opset: int, low: LowDtype) -> tuple[PortGroup, ...]:
+def signature(node: ir.Node, opset: int, low: LowDtype) -> tuple:
+    """What ``port_groups`` depends on: the op, its opset and its ports' types (dtypes)."""
+    return (node.domain, node.op_type, opset, low,
+            tuple(map(_port_signature, node.inputs)), tuple(map(_port_signature, node.outputs)))
+
+
+def port_groups(node: ir.Node, opset: int, low: LowDtype,
+                key: tuple | None = None) -> tuple[PortGroup, ...]:
     """Group the node's candidate ports; see module docstring.
 
-    The answer depends only on the op, opset and the ports' types, so it is cached by that
-    signature: large models repeat a few dozen signatures thousands of times.
+    The answer depends only on the node's ``signature`` (``key``, if the caller has it), so
+    it is cached by it: large models repeat a few dozen signatures thousands of times.
     """
-    key = (node.domain, node.op_type, opset, low,
-           tuple(map(_port_signature, node.inputs)), tuple(map(_port_signature, node.outputs)))
+    if key is None:
+        key = signature(node, opset, low)
     cached = _CACHE.get(key)
     if cached is None:
         cached = _CACHE[key] = tuple(_port_groups(node, opset, low))

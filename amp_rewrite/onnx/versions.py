@@ -43,11 +43,12 @@ def dtype_ir_version(dtypes: set[ir.DataType]) -> int | None:
 def _model_dtypes(model: ir.Model) -> set[ir.DataType]:
     dtypes = set()
     for g in model_graphs(model):
-        values = [*g.inputs, *g.initializers.values(), *(v for n in g for v in n.outputs)]
-        dtypes.update(v.dtype for v in values if v.dtype is not None)
-        for n in g:
+        values = [*g.inputs, *g.initializers.values()]
+        for n in g:  # one walk for outputs and Cast targets
+            values.extend(n.outputs)
             if n.op_type == "Cast" and "to" in n.attributes:
                 dtypes.add(ir.DataType(n.attributes["to"].value))
+        dtypes.update(v.dtype for v in values if v.dtype is not None)
     return dtypes
 
 

@@ -8,6 +8,8 @@ once, in the outer graph, next to the producer.
 """
 from __future__ import annotations
 
+import math
+import sys
 from dataclasses import dataclass, field
 
 import ml_dtypes
@@ -18,7 +20,8 @@ import onnx_ir as ir
 from amp_rewrite.core import GroupInfo, LowDtype, Precision, PrecisionGraph
 from amp_rewrite.onnx.io import INFERRED_SIZES, SYMBOLIC_DIM_EXTENT, walk_graphs
 from amp_rewrite.onnx.ports import (CONTROL_FLOW, PortGroup, Tie, body_graphs, control_flow_ties,
-                                    is_candidate, node_opset, port_groups, to_ir_dtype)
+                                    is_candidate, node_opset, port_groups, signature,
+                                    to_ir_dtype)
 
 INSERTED_TAG = "amp_rewrite.inserted"
 CAST_OPS = ("Cast", "CastLike")
@@ -48,6 +51,7 @@ class OnnxView:
     # Large float32 constants seen finite and within the low dtype's range: converting them
     # cannot overflow, so the streamed conversion skips its ±inf check (apply._streams).
     in_range: set[ir.Value] = field(default_factory=set)
+    small: SmallFloat32 | None = None  # small raw float32 constants, joined (_small_float32)
     opsets: dict[str, int] = field(default_factory=dict)  # the model's opset imports
 
 
@@ -71,8 +75,9 @@ def build_view(model: ir.Model, low: LowDtype, *, keep_io_types: bool = True,
     """
     graphs = list(walk_graphs(model.graph)) if graphs is None else graphs
     view = OnnxView(PrecisionGraph(), low, graphs, clamp_constants=clamp_constants)
+    view.small, others = _small_float32(graphs)
     if not clamp_constants:
-        view.range_problems = _range_problems(graphs, low, view.in_range)
+        view.range_problems = _range_problems(view.small, others, low, view.in_range)
     low_ir = to_ir_dtype(low)
     opsets = view.opsets = dict(model.opset_imports)
     inferred = model.meta.get(INFERRED_SIZES, {})
@@ -132,8 +137,9 @@ def _add_sources(view: OnnxView, g: ir.Graph, low_ir: ir.DataType, is_main: bool
             reason = ("graph input keeps its dtype (keep_io_types)" if is_main
                       else "subgraph input keeps its dtype")
             _source(view, g, v, None, _current(v, low_ir) if keep else None, reason)
+    inputs = set(g.inputs)  # ``in g.inputs`` scans the list: slow for many inputs
     for v in g.initializers.values():
-        if is_candidate(v, low_ir) and v not in g.inputs:
+        if is_candidate(v, low_ir) and v not in inputs:
             if v.dtype == low_ir:
                 _source(view, g, v, None, Precision.LOW, "initializer already low in the model")
                 continue
@@ -169,24 +175,49 @@ def _add_node(view: OnnxView, node: ir.Node, opset: int, low_ir: ir.DataType) ->
         return
     if op_type in CONTROL_FLOW and domain == "" and _add_ties(view, node, opset, low_ir):
         return
-    groups = port_groups(node, opset, view.low)
+    groups = _fixed_port_groups(node, opset, view.low, low_ir)
     if not groups:
         return
-    # Only casts are ever tagged; asking every node would give each an empty metadata dict.
-    tagged = op_type == "Cast" and INSERTED_TAG in node.metadata_props
-    if op_type in CAST_OPS and domain == "" and not tagged:
-        view.model_casts.append((node, cast_dtypes(node)))
+    if op_type in CAST_OPS and domain == "":
+        # Only casts are ever tagged; asking every node would give each an empty metadata dict.
+        if op_type == "Cast" and INSERTED_TAG in node.metadata_props:
+            groups = _tagged(node, groups, low_ir)
+        else:
+            view.model_casts.append((node, cast_dtypes(node)))
     op_key = op_type if domain == "" else f"{domain}::{op_type}"
     inputs, outputs, name = node.inputs, node.outputs, node.name or ""
-    for index, pg in enumerate(groups):
-        reads = [inputs[i] for i in pg.inputs]
-        writes = [outputs[o] for o in pg.outputs]
-        fixed, reason = _group_fix(pg, reads + writes, low_ir, tagged)
+    add_group, view_groups = view.graph.add_group, view.groups
+    for index, (pg, fixed, reason) in enumerate(groups):
         key = ("node", node, index)
-        view.groups[key] = (node, pg)
-        info = GroupInfo(key, node, name, op_key, fixed, reason, savings=pg.saves_traffic,
-                         tvar=pg.label)
-        view.graph.add_group(info, inputs=reads, outputs=writes)
+        view_groups[key] = (node, pg)
+        add_group(GroupInfo(key, node, name, op_key, fixed, reason, None, pg.saves_traffic,
+                            pg.label),
+                  inputs=[inputs[i] for i in pg.inputs], outputs=[outputs[o] for o in pg.outputs])
+
+
+# signature (ports.signature) -> ((port group, fixed, reason), ...): the fix depends on the
+# group and its ports' dtypes only, which the signature holds.
+_FIXED_GROUPS: dict[tuple, tuple[tuple[PortGroup, Precision | None, str], ...]] = {}
+
+
+def _fixed_port_groups(node: ir.Node, opset: int, low: LowDtype, low_ir: ir.DataType
+                       ) -> tuple[tuple[PortGroup, Precision | None, str], ...]:
+    key = signature(node, opset, low)
+    cached = _FIXED_GROUPS.get(key)
+    if cached is None:
+        cached = _FIXED_GROUPS[key] = tuple(
+            (pg, *_group_fix(pg, _ports(node, pg), low_ir, False))
+            for pg in port_groups(node, opset, low, key))
+    return cached
+
+
+def _tagged(node: ir.Node, groups, low_ir: ir.DataType):
+    """A cast amp_rewrite inserted keeps its types: its groups fixed as they are."""
+    return tuple((pg, *_group_fix(pg, _ports(node, pg), low_ir, True)) for pg, _, _ in groups)
+
+
+def _ports(node: ir.Node, pg: PortGroup) -> list[ir.Value]:
+    return [*(node.inputs[i] for i in pg.inputs), *(node.outputs[o] for o in pg.outputs)]
 
 
 def _add_ties(view: OnnxView, node: ir.Node, opset: int, low_ir: ir.DataType) -> bool:
@@ -251,23 +282,47 @@ def _wide(view: OnnxView, value: ir.Value, tensor) -> str | None:
     return f"{problem}: kept fp32 with its readers (no clamp)"
 
 
-def _range_problems(graphs: list[ir.Graph], low: LowDtype,
+@dataclass
+class SmallFloat32:
+    """Small float32 constants stored as raw bytes (biases, norm weights, most weights of a
+    long chain), their elements joined end to end: the range check (``_range_problems``)
+    and the conversion (``apply``) each run once over all of them. One numpy call per
+    tensor cost 1.3 s at 33k initializers."""
+
+    values: list[ir.Value]
+    data: np.ndarray  # float32
+    starts: np.ndarray  # int64: tensor i is data[starts[i]:starts[i + 1]]
+    index: dict[ir.Value, int]  # value -> i
+
+
+def _small_float32(graphs: list[ir.Graph]) -> tuple[SmallFloat32, list[tuple[ir.Value, object]]]:
+    """The float32 initializers and ``Constant(value=...)`` tensors: the small raw ones
+    joined, and the others (value, tensor)."""
+    small: list[tuple[ir.Value, bytes]] = []
+    others = []
+    for value, tensor in _float_constants(graphs):
+        raw = small_float32_bytes(tensor)
+        if raw is None:
+            others.append((value, tensor))
+        else:
+            small.append((value, raw))
+    sizes = np.fromiter((len(raw) // 4 for _, raw in small), np.int64, len(small))
+    return SmallFloat32([v for v, _ in small],
+                        np.frombuffer(b"".join(raw for _, raw in small), "<f4"),
+                        np.concatenate(([0], np.cumsum(sizes))),
+                        {v: i for i, (v, _) in enumerate(small)}), others
+
+
+def _range_problems(small: SmallFloat32, others: list[tuple[ir.Value, object]], low: LowDtype,
                     in_range: set[ir.Value]) -> dict[ir.Value, str]:
     """``range_problem`` of every float32 initializer and ``Constant(value=...)``; large
     ones that fit go to ``in_range``.
 
-    Small tensors stored as raw bytes (biases, norm weights, most weights of a long chain)
-    are screened together: one max|x| per tensor over their joined bytes, the full check
-    only for the few that come near a limit. One numpy call per tensor cost 1.3 s at 33k
-    initializers.
+    The small ones are screened together: one max|x| per tensor over the joined array, the
+    full check only for the few that come near a limit.
     """
-    batch: list[tuple[ir.Value, bytes]] = []
     problems: dict[ir.Value, str] = {}
-    for value, tensor in _float_constants(graphs):
-        raw = _small_raw_bytes(tensor)
-        if raw is not None:
-            batch.append((value, raw))
-            continue
+    for value, tensor in others:
         try:
             array = tensor.numpy()
         except Exception:  # malformed data: left to the conversion to report, as before
@@ -282,14 +337,12 @@ def _range_problems(graphs: list[ir.Graph], low: LowDtype,
         if isinstance(tensor, ir.ExternalTensor):  # unmap: its pages count in our RSS
             del array
             tensor.release()
-    if batch:
-        flat = np.frombuffer(b"".join(raw for _, raw in batch), "<f4")
-        sizes = np.fromiter((len(raw) // 4 for _, raw in batch), np.int64, len(batch))
-        starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
-        fits = _fits(np.maximum.reduceat(np.abs(flat), starts), low)
+    if small.values:
+        fits = _fits(np.maximum.reduceat(np.abs(small.data), small.starts[:-1]), low)
         for i in np.flatnonzero(~fits):
-            value, raw = batch[i]
-            problem = range_problem(np.frombuffer(raw, "<f4"), low, addend=only_summed(value))
+            value = small.values[i]
+            problem = range_problem(small.data[small.starts[i]:small.starts[i + 1]], low,
+                                    addend=only_summed(value))
             if problem:
                 problems[value] = problem
     return problems
@@ -339,16 +392,22 @@ def _float_constants(graphs: list[ir.Graph]):
                     yield out, node.attributes["value"].value
 
 
-def _small_raw_bytes(tensor) -> bytes | None:
-    """The little-endian float32 bytes of a small tensor stored as a TensorProto, or None."""
-    if not isinstance(tensor, ir.serde.TensorProtoTensor):
+SMALL_TENSOR_BYTES = 1 << 16  # see apply._stored_tensor
+
+
+def small_float32_bytes(tensor) -> bytes | None:
+    """The raw little-endian bytes of a small float32 tensor stored as a TensorProto (see
+    ``apply._stored_tensor``), or None. The element count comes from the proto's dims:
+    onnx_ir's shape is slow."""
+    if not isinstance(tensor, ir.serde.TensorProtoTensor) or sys.byteorder != "little":
         return None
     proto = tensor.raw
-    raw = proto.raw_data
-    if (not raw or len(raw) % 4 or len(raw) > 1 << 16
+    if (proto.data_type != onnx.TensorProto.FLOAT or not proto.raw_data
             or proto.data_location == onnx.TensorProto.EXTERNAL):
         return None
-    return raw
+    raw = proto.raw_data
+    return raw if len(raw) <= SMALL_TENSOR_BYTES and len(raw) == 4 * math.prod(proto.dims) \
+        else None
 
 
 # A value this far below the tensor's largest is under its rounding error in any sum or

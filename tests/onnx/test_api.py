@@ -96,3 +96,51 @@ def test_save_writes_the_checked_model(example, tmp_path):
     assert out.read_bytes() == result.proto().SerializeToString()
     assert onnx.load(out) == rewrite_onnx(example)
     assert [p.name for p in tmp_path.iterdir()] == ["out.onnx"]  # no temp file left behind
+
+
+CHAIN_UNTYPED = """
+<ir_version: 8, opset_import: ["" : 18, "acme" : 1]>
+g (float[4, 16] x, float[16, 16] w) => (float[4, 16] y) {
+    m = MatMul(x, w)
+    a = Add(m, x)
+    r = Relu(a)
+    y = Exp(r)
+}
+"""
+CUSTOM_OUTPUT = """
+<ir_version: 8, opset_import: ["" : 18, "acme" : 1]>
+g (float[4, 16] x, float[16, 16] w) => (float[4, 16] y) {
+    m = MatMul(x, w)
+    c = acme.Mystery(m)
+    y = Relu(c)
+}
+"""
+
+
+@pytest.mark.parametrize("text, skipped", [(CHAIN_UNTYPED, True), (CUSTOM_OUTPUT, False)])
+def test_dtype_propagation_runs_only_where_loading_left_a_value_untyped(monkeypatch, text,
+                                                                       skipped):
+    """Shape inference types every intermediate of a standard chain (the propagation has
+    nothing to add, so it is skipped), not the output of a custom op; either way the output
+    is the one with the propagation forced."""
+    from amp_rewrite.onnx import passes
+
+    calls = []
+    real = passes.infer_missing_types
+    monkeypatch.setattr(passes, "infer_missing_types",
+                        lambda *args: calls.append(args) or real(*args))
+    model = parse(text)
+    fast = rewrite_onnx(model, check=False)
+    assert (not calls) is skipped
+    load = io._from_proto
+
+    def load_untyped(*args):  # forces the propagation
+        model = load(*args)
+        model.meta.pop(io.TYPED, None)
+        return model
+
+    monkeypatch.setattr(io, "_from_proto", load_untyped)
+    forced = rewrite_onnx(model, check=False)
+    assert len(calls) == 1 + (not skipped)
+    assert fast.SerializeToString(deterministic=True) == \
+        forced.SerializeToString(deterministic=True)

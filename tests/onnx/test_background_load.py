@@ -37,6 +37,19 @@ def chain(blocks: int, output_type: bool = True) -> onnx.ModelProto:
     return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)])
 
 
+@pytest.fixture(autouse=True)
+def no_tqdm_monitor(monkeypatch) -> None:
+    """Stop tqdm's monitor thread, which earlier tests' progress bars leave running: with
+    another thread alive forking is unsafe (``runtime.fork_allowed``), and loading would
+    take the serial path these tests compare with."""
+    from tqdm import tqdm
+
+    monkeypatch.setattr(tqdm, "monitor_interval", 0)  # no new monitor during the test
+    if tqdm.monitor is not None:
+        tqdm.monitor.exit()
+        tqdm.monitor = None
+
+
 @pytest.fixture
 def forks(monkeypatch) -> list[runtime.Background]:
     """The Background jobs loading starts (forking from the first node on)."""
