@@ -43,8 +43,13 @@ def test_gpu_benchmark_without_cuda_says_so_and_exits_0(capsys):
 def test_gpu_benchmark_code_runs_on_cpu_with_tiny_configs(tmp_path):
     out = tmp_path / "bench.json"
     tool = _load("bench_gpu_training")
-    assert tool.main(["--device", "cpu", "--tiny", "--no-compile", "--models", "bert",
-                      "--steps", "1", "--warmup", "1", "--out", str(out)]) == 0
+    assert tool.main(["--device", "cpu", "--tiny", "--compile", "off", "--models", "mlp_odd",
+                      "--phases", "train", "forward", "--steps", "1", "--warmup", "1",
+                      "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [r["variant"] for r in rows] == ["fp32", "autocast", "amp_rewrite"]
-    assert all(r["step_ms"] > 0 for r in rows)
+    assert [(r["variant"], r["phase"]) for r in rows] == [
+        (v, p) for v in tool.VARIANTS for p in ("train", "forward")]
+    assert all(r["ms"] > 0 and "error" not in r for r in rows)
+    # same weights, same data, no dropout: every variant starts from FP32's loss
+    losses = [r["loss0"] for r in rows if r["phase"] == "train"]
+    assert max(abs(loss - losses[0]) for loss in losses) <= 1e-2 * abs(losses[0])
