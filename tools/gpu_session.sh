@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # The GPU items of issues 14 and 15 in one device call, most valuable first; each section has
 # its own time limit, so one that hangs or fails costs only its own time. Results go to $OUT
-# (at most 8 files come back): env.txt, gemm.json, train.json, log.txt.
+# (at most 8 files come back): env.txt, smoke.json, gemm.json, train.json, profile.json, log.txt.
 #   OUT=/tmp/out bash tools/gpu_session.sh [eager|all]
+# On a machine without this project's dependencies (the lent device's image has torch and
+# transformers but not ortools), carry wheels and install them first, e.g. built here with
+#   pip wheel --no-deps --no-build-isolation -w .whl .   (amp_rewrite, with its rule files)
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 ... -d .whl ortools immutabledict
+# and there: pip install --no-index --no-deps --target /tmp/site .whl/*.whl; PYTHONPATH=/tmp/site
 set -u
 OUT=${OUT:-results/gpu}
 mkdir -p "$OUT"
@@ -34,7 +39,11 @@ compiled() {
   section "compiled fp16 $1" 150 $TRAIN --models $1 --compile on \
       --variants autocast amp_rewrite --steps 10 --warmup 3
 }
-eager bert; eager gpt2; eager mlp_odd
+eager bert
+# where a BERT step's time goes (the attention kernel chosen, host vs device time)
+section "profile bert" 60 python3 tools/profile_gpu_step.py --models bert \
+    --variants autocast amp_rewrite --out "$OUT/profile.json"
+eager gpt2; eager mlp_odd
 [ "${1:-all}" = eager ] && { eager resnet50; exit 0; }
 compiled bert; eager resnet50; compiled gpt2
 section "eager bf16 bert gpt2" 120 $TRAIN --models bert gpt2 --dtype bf16 --compile off \
