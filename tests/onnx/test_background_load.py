@@ -2,6 +2,11 @@
 and every error must be those of the serial path, which ``AMP_REWRITE_FORK=0`` selects."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import threading
+
 import numpy as np
 import onnx
 import onnx.helper as oh
@@ -50,6 +55,22 @@ def no_tqdm_monitor(monkeypatch) -> None:
         tqdm.monitor = None
 
 
+_FRESH = "AMP_REWRITE_TEST_FRESH_PROCESS"
+
+
+def ran_in_a_fresh_process(request: pytest.FixtureRequest) -> bool:
+    """Forking needs a process with one thread (``runtime.fork_allowed``). Threads that earlier
+    tests of a full run leave behind (Inductor's compile-worker readers, say) rightly forbid
+    it, so the test then runs alone in a fresh interpreter and passes or fails with it."""
+    if threading.active_count() == 1 or os.environ.get(_FRESH):
+        return False
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           request.node.nodeid], cwd=request.config.rootpath, timeout=600,
+                          capture_output=True, text=True, env={**os.environ, _FRESH: "1"})
+    assert done.returncode == 0, done.stdout[-4000:]
+    return True
+
+
 @pytest.fixture
 def forks(monkeypatch) -> list[runtime.Background]:
     """The Background jobs loading starts (forking from the first node on)."""
@@ -72,7 +93,9 @@ def serial(model: onnx.ModelProto, monkeypatch, **options):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_a_large_model_rewrites_as_on_the_serial_path(monkeypatch, dtype):
+def test_a_large_model_rewrites_as_on_the_serial_path(monkeypatch, dtype, request):
+    if ran_in_a_fresh_process(request):
+        return
     model = chain(1400)  # 4200 nodes: above the real threshold
     expected = serial(model, monkeypatch, dtype=dtype).SerializeToString()
     started = []
@@ -83,7 +106,9 @@ def test_a_large_model_rewrites_as_on_the_serial_path(monkeypatch, dtype):
     assert len(started) == 1
 
 
-def test_the_checkers_error_is_the_serial_paths(monkeypatch, forks):
+def test_the_checkers_error_is_the_serial_paths(monkeypatch, forks, request):
+    if ran_in_a_fresh_process(request):
+        return
     model = chain(3)
     model.graph.node[1].input[0] = "nowhere"  # a name no node or input defines
     with pytest.raises(ModelError) as serial_error:
@@ -94,7 +119,10 @@ def test_the_checkers_error_is_the_serial_paths(monkeypatch, forks):
     assert "invalid ONNX model" in str(error.value) and forks
 
 
-def test_a_model_the_checker_refuses_is_repaired_as_on_the_serial_path(monkeypatch, forks):
+def test_a_model_the_checker_refuses_is_repaired_as_on_the_serial_path(monkeypatch, forks,
+                                                                        request):
+    if ran_in_a_fresh_process(request):
+        return
     model = chain(3, output_type=False)  # untyped graph output: ORT runs it, the checker not
     expected = serial(model, monkeypatch).SerializeToString()
     assert rewrite_onnx(model).SerializeToString() == expected
