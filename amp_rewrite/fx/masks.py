@@ -33,6 +33,12 @@ _COMPARE = {aten.ge.Scalar: operator.ge, aten.gt.Scalar: operator.gt,
             aten.le.Scalar: operator.le, aten.lt.Scalar: operator.lt}
 _AND = {aten.bitwise_and.Tensor, aten.logical_and.default, aten.mul.Tensor}
 _OR = {aten.bitwise_or.Tensor, aten.logical_or.default}
+_ADD = {aten.add.Tensor, aten.add.Scalar}
+_SUB = {aten.sub.Tensor, aten.sub.Scalar}
+_ARANGE = {aten.arange.default, aten.arange.start}
+# what a mask is built from: the only nodes the pass erases once unused
+_SHAPE_ONLY = (_SAME_VALUES | set(_COMPARE) | _AND | _OR | _ADD | _SUB | _ARANGE
+               | {aten.sym_size.int})
 
 
 def bounds(arg: object) -> Bounds:
@@ -42,16 +48,18 @@ def bounds(arg: object) -> Bounds:
     if not isinstance(arg, Node) or arg.op != "call_function":
         return _UNKNOWN
     target, args = arg.target, arg.args
+    if arg.kwargs.get("alpha", 1) != 1:  # a + alpha·b: not modelled
+        return _UNKNOWN
     if target in _SAME_VALUES:
         return bounds(args[0])
     if target is aten.arange.default:  # 0 .. end-1; an empty range has no values to break it
         return 0.0, math.inf
     if target is aten.arange.start:
         return bounds(args[0])[0], math.inf
-    if target in (aten.add.Tensor, aten.add.Scalar):
+    if target in _ADD:
         (lo_a, hi_a), (lo_b, hi_b) = bounds(args[0]), bounds(args[1])
         return lo_a + lo_b, hi_a + hi_b
-    if target in (aten.sub.Tensor, aten.sub.Scalar):
+    if target in _SUB:
         (lo_a, hi_a), (lo_b, hi_b) = bounds(args[0]), bounds(args[1])
         return lo_a - hi_b, hi_a - lo_b
     if target in _COMPARE:
@@ -88,26 +96,18 @@ class DropTrivialAttentionMasks(PassBase):
 
     def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
         for node in graph_module.graph.find_nodes(op="call_function", target=_SDPA):
-            if len(node.args) > 3 and isinstance(node.args[3], Node) \
-                    and masks_nothing(node.args[3]):
-                node.update_arg(3, None)
-                self.dropped += 1
-            elif isinstance(node.kwargs.get("attn_mask"), Node) \
-                    and masks_nothing(node.kwargs["attn_mask"]):
-                node.update_kwarg("attn_mask", None)
+            positional = len(node.args) > 3
+            mask = node.args[3] if positional else node.kwargs.get("attn_mask")
+            if isinstance(mask, Node) and masks_nothing(mask):
+                if positional:
+                    node.update_arg(3, None)
+                else:
+                    node.update_kwarg("attn_mask", None)
                 self.dropped += 1
         if not self.dropped:
             return PassResult(graph_module, False)
         for node in reversed(list(graph_module.graph.nodes)):  # the masks' own dead chains
-            if node.op == "call_function" and not node.users and _pure(node):
+            if node.op == "call_function" and not node.users and node.target in _SHAPE_ONLY:
                 graph_module.graph.erase_node(node)
         graph_module.recompile()
         return PassResult(graph_module, True)
-
-
-def _pure(node: Node) -> bool:
-    """Only the shape-only ops a mask is built from (never dropout, random or in-place ops)."""
-    return (node.target in _SAME_VALUES or node.target in _COMPARE or node.target in _AND
-            or node.target in _OR or node.target in (
-                aten.arange.default, aten.arange.start, aten.add.Tensor, aten.add.Scalar,
-                aten.sub.Tensor, aten.sub.Scalar, aten.sym_size.int))

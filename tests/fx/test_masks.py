@@ -106,3 +106,17 @@ def test_gpt2_causal_mask_is_kept() -> None:
     want = model(ids).last_hidden_state
     got = gm(ids)[0]
     assert (got.float() - want).abs().max() <= 2e-2 * want.abs().max()
+
+
+def test_add_with_alpha_is_not_taken_for_a_plain_add():
+    aten = torch.ops.aten
+    graph = torch.fx.Graph()
+    n = graph.placeholder("n")
+    idx = graph.call_function(aten.arange.default, (n,))
+    scaled = graph.call_function(aten.add.Tensor, (idx, idx), {"alpha": -5})  # -4·idx
+    mask = graph.call_function(aten.ge.Scalar, (scaled, 0))
+    mask.meta["val"] = torch.ones(6, dtype=torch.bool)
+    plain = graph.call_function(aten.ge.Scalar,
+                                (graph.call_function(aten.add.Tensor, (idx, idx)), 0))
+    plain.meta["val"] = torch.ones(6, dtype=torch.bool)
+    assert not masks_nothing(mask) and masks_nothing(plain)
