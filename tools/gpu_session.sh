@@ -2,7 +2,7 @@
 # The GPU items of issues 14 and 15 in one device call, most valuable first; each section has
 # its own time limit, so one that hangs or fails costs only its own time. Results go to $OUT
 # (at most 8 files come back): env.txt, smoke.json, gemm.json, train.json, profile.json, log.txt.
-#   OUT=/tmp/out bash tools/gpu_session.sh [eager|all]
+#   OUT=/tmp/out bash tools/gpu_session.sh [eager|recheck|all]
 # On a machine without this project's dependencies (the lent device's image has torch and
 # transformers but not ortools), carry wheels and install them first, e.g. built here with
 #   pip wheel --no-deps --no-build-isolation -w .whl .   (amp_rewrite, with its rule files)
@@ -30,7 +30,8 @@ section "smoke" 90 $TRAIN --tiny --models gpt2 --compile off --steps 2 --warmup 
 if [ ! -s "$OUT/smoke.json" ] || grep -q '"error"' "$OUT/smoke.json"; then
   echo "smoke test failed"; cat "$OUT/smoke.json"; exit 1
 fi
-section "gemm" 60 python3 tools/bench_gpu_gemm.py --out "$OUT/gemm.json"
+# recheck: only what changed since the last measured run (the mask pass, compiled paths)
+[ "${1:-all}" = recheck ] || section "gemm" 60 python3 tools/bench_gpu_gemm.py --out "$OUT/gemm.json"
 eager() {
   section "eager fp16 $1" 110 $TRAIN --models $1 --compile off --phases train forward \
       --steps 10 --warmup 3
@@ -43,7 +44,11 @@ eager bert
 # where a BERT step's time goes (the attention kernel chosen, host vs device time)
 section "profile bert" 60 python3 tools/profile_gpu_step.py --models bert \
     --variants autocast amp_rewrite --out "$OUT/profile.json"
-eager gpt2; eager mlp_odd
+eager gpt2
+[ "${1:-all}" = recheck ] || eager mlp_odd
+if [ "${1:-all}" = recheck ]; then compiled bert; compiled gpt2; fi
+[ "${1:-all}" = recheck ] && { section "eager bf16 bert gpt2" 120 $TRAIN --models bert gpt2 --dtype bf16 \
+    --compile off --variants autocast amp_rewrite --steps 10 --warmup 3; exit 0; }
 [ "${1:-all}" = eager ] && { eager resnet50; exit 0; }
 compiled bert; eager resnet50; compiled gpt2
 section "eager bf16 bert gpt2" 120 $TRAIN --models bert gpt2 --dtype bf16 --compile off \
