@@ -24,7 +24,7 @@ import inspect
 import logging
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -381,7 +381,7 @@ def _spec(name: str) -> _Spec:
 
 def build(
     name: str, *, seed: int = 0, batch: int = 2, attn_implementation: str = "eager",
-    real_sizes: bool = False,
+    real_sizes: bool = False, config: Mapping[str, Any] | None = None,
 ) -> ZooModel:
     """Build zoo model ``name`` with weights and inputs drawn from ``seed``.
 
@@ -390,13 +390,14 @@ def build(
     layer); attention-free models ignore it.  The global torch RNG is left untouched (weights
     are drawn inside ``fork_rng``). ``real_sizes``: the real model's misaligned sizes where
     they differ from the tiny config (GPT-2's 50257-word vocabulary, BERT's 30522, ViT's 224
-    pixel images in 16-pixel patches: 197 tokens); hidden sizes stay tiny. Default configs
-    are unchanged (tests rely on them).
+    pixel images in 16-pixel patches: 197 tokens); hidden sizes stay tiny. ``config``: more
+    HF config overrides (a real model's depth: ``{"n_layer": 48}``). Default configs are
+    unchanged (tests rely on them).
     """
     import torch
 
     spec = _spec(name)
-    overrides = dict(spec.real) if real_sizes else {}
+    overrides = {**(dict(spec.real) if real_sizes else {}), **(config or {})}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         hf_model = spec.make(attn_implementation, **overrides)
