@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import logging
 import os
@@ -149,7 +150,13 @@ def bench_model(name: str, directory: Path, repeats: int, depth: int | None = No
     ort = ort_optimizer_for(name, path)
     if ort is not None:
         converters[f"ort_optimizer[{ort[0]}]"] = ort[1]
-    converters.update(onnxconverter_common=_onnxconverter_common, ort_float16=_ort_float16)
+    for peer, convert, module in (("onnxconverter_common", _onnxconverter_common,
+                                   "onnxconverter_common"),
+                                  ("ort_float16", _ort_float16, "onnxruntime.transformers")):
+        if importlib.util.find_spec(module.split(".")[0]) is None:  # bench extra not installed
+            log.warning("%s skipped: %s is not installed", peer, module)
+        else:
+            converters[peer] = convert
     times: dict[str, list[float]] = {c: [] for c in converters}
     outputs: dict[str, onnx.ModelProto] = {}
     probes = []
