@@ -138,25 +138,24 @@ def _summary(model: onnx.ModelProto, fp32_out: dict, feeds: dict) -> dict:
             "new_nonfinite": any(e.new_nonfinite for e in errors), "invalid": ""}
 
 
-def bench_model(name: str, directory: Path, repeats: int, depth: int | None = None
-                ) -> list[dict]:
-    depth = depth or DEPTHS[name][1]
-    path = export_deep(name, depth, directory)
-    fp32 = onnx.load(path)
-    feeds = zoo.onnx_inputs(build_deep(name, depth), fp32)
-    fp32_out = validate.run(fp32, feeds)
-    converters: dict[str, Callable] = {"amp_rewrite": _amp_rewrite(True),
-                                       "amp_rewrite --no-fuse": _amp_rewrite(False)}
+def converters_for(name: str, path: Path) -> dict[str, Callable[[Path], onnx.ModelProto]]:
+    converters = {"amp_rewrite": _amp_rewrite(True), "amp_rewrite --no-fuse": _amp_rewrite(False)}
     ort = ort_optimizer_for(name, path)
     if ort is not None:
         converters[f"ort_optimizer[{ort[0]}]"] = ort[1]
     for peer, convert, module in (("onnxconverter_common", _onnxconverter_common,
                                    "onnxconverter_common"),
-                                  ("ort_float16", _ort_float16, "onnxruntime.transformers")):
-        if importlib.util.find_spec(module.split(".")[0]) is None:  # bench extra not installed
+                                  ("ort_float16", _ort_float16, "onnxruntime")):
+        if importlib.util.find_spec(module) is None:  # a bench extra that is not installed
             log.warning("%s skipped: %s is not installed", peer, module)
         else:
             converters[peer] = convert
+    return converters
+
+
+def time_round_robin(converters: dict[str, Callable], path: Path, repeats: int
+                     ) -> tuple[dict[str, list[float]], dict[str, onnx.ModelProto], list[float]]:
+    """Seconds per converter and run, the last output of each, and one host probe per round."""
     times: dict[str, list[float]] = {c: [] for c in converters}
     outputs: dict[str, onnx.ModelProto] = {}
     probes = []
@@ -166,6 +165,17 @@ def bench_model(name: str, directory: Path, repeats: int, depth: int | None = No
             start = time.perf_counter()
             outputs[converter] = convert(path)
             times[converter].append(time.perf_counter() - start)
+    return times, outputs, probes
+
+
+def bench_model(name: str, directory: Path, repeats: int, depth: int | None = None
+                ) -> list[dict]:
+    depth = depth or DEPTHS[name][1]
+    path = export_deep(name, depth, directory)
+    fp32 = onnx.load(path)
+    feeds = zoo.onnx_inputs(build_deep(name, depth), fp32)
+    fp32_out = validate.run(fp32, feeds)
+    times, outputs, probes = time_round_robin(converters_for(name, path), path, repeats)
     rows = []
     for converter, runs in times.items():
         rows.append({"model": name, "layers": depth, "input_nodes": len(fp32.graph.node),
