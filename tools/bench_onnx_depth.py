@@ -12,8 +12,8 @@ to fp16 by:
   then ``.convert_float_to_float16(keep_io_types=True)``: what ORT users run. T is the
   model's own type where ORT's optimizer accepts the export, else ``bert`` (the first of
   ``MODEL_TYPES`` that works is used and printed);
-* ``onnxconverter_common`` and ``ort_float16``: the two plain converters
-  (``convert_float_to_float16(keep_io_types=True)``), which fuse nothing.
+* ``onnxconverter_common`` and ``ort_transformers`` (ORT's float16 converter alone): the two
+  plain converters of ``amp_rewrite.bench.peers``, which fuse nothing.
 
 Converters take turns within each round (the host's speed drifts); the table has medians,
 the node count of each output, its fused (``com.microsoft``) ops, its casts, and its max
@@ -26,21 +26,17 @@ under onnxruntime (CPU) on the zoo model's inputs.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib.util
 import json
 import logging
-import os
 import statistics
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import onnx
 
-from amp_rewrite.bench import zoo
+from amp_rewrite.bench import peers, zoo
 from amp_rewrite.onnx import validate
 from bench_onnx_speed import host_probe  # tools/ is on sys.path as a script
 
@@ -53,18 +49,6 @@ DEPTHS = {"gpt2": ("n_layer", 48, "gpt2"),  # GPT-2 XL
 MODEL_TYPES = ("bert",)  # fall-backs after the model's own type
 
 
-@contextlib.contextmanager
-def _scratch_cwd() -> Iterator[None]:
-    """ORT's optimizer and converter leave shape-inference files in the working directory."""
-    here = os.getcwd()
-    with tempfile.TemporaryDirectory() as tmp:
-        os.chdir(tmp)
-        try:
-            yield
-        finally:
-            os.chdir(here)
-
-
 def _amp_rewrite(fuse: bool) -> Callable[[Path], onnx.ModelProto]:
     def convert(path: Path) -> onnx.ModelProto:
         import amp_rewrite
@@ -75,27 +59,13 @@ def _amp_rewrite(fuse: bool) -> Callable[[Path], onnx.ModelProto]:
 
 
 def _ort_optimizer(model_type: str) -> Callable[[Path], onnx.ModelProto]:
-    def convert(path: Path) -> onnx.ModelProto:
-        from onnxruntime.transformers import optimizer
-
-        with _scratch_cwd():
-            optimized = optimizer.optimize_model(str(path), model_type=model_type)
-            optimized.convert_float_to_float16(keep_io_types=True)
-        return optimized.model
-    return convert
+    return lambda path: peers.ort_optimizer_fp16(path, model_type)
 
 
-def _onnxconverter_common(path: Path) -> onnx.ModelProto:
-    from onnxconverter_common import float16
-
-    return float16.convert_float_to_float16(onnx.load(path), keep_io_types=True)
-
-
-def _ort_float16(path: Path) -> onnx.ModelProto:
-    from onnxruntime.transformers import float16
-
-    with _scratch_cwd():
-        return float16.convert_float_to_float16(onnx.load(path), keep_io_types=True)
+def _peer(name: str) -> Callable[[Path], onnx.ModelProto]:
+    """A plain converter of ``peers.PEERS``, in this process; loading the file is timed as
+    for the others, which all read the path."""
+    return lambda path: peers.PEERS[name].body(onnx.load(path), "float16")
 
 
 def build_deep(name: str, depth: int) -> zoo.ZooModel:
@@ -143,13 +113,12 @@ def converters_for(name: str, path: Path) -> dict[str, Callable[[Path], onnx.Mod
     ort = ort_optimizer_for(name, path)
     if ort is not None:
         converters[f"ort_optimizer[{ort[0]}]"] = ort[1]
-    for peer, convert, module in (("onnxconverter_common", _onnxconverter_common,
-                                   "onnxconverter_common"),
-                                  ("ort_float16", _ort_float16, "onnxruntime")):
-        if importlib.util.find_spec(module) is None:  # a bench extra that is not installed
-            log.warning("%s skipped: %s is not installed", peer, module)
+    for name in ("onnxconverter_common", "ort_transformers"):
+        reason = peers.PEERS[name].unavailable_reason()
+        if reason:  # onnxconverter-common is a bench extra
+            log.warning("%s skipped: %s", name, reason)
         else:
-            converters[peer] = convert
+            converters[name] = _peer(name)
     return converters
 
 

@@ -43,9 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -269,22 +267,12 @@ def evaluate(draws: Draws, converted: onnx.ModelProto, deny: set[str],
 
 
 def ort_optimizer_candidates(path: Path) -> dict[str, onnx.ModelProto]:
-    from onnxruntime.transformers import optimizer
-
     out = {}
-    here = os.getcwd()
-    with tempfile.TemporaryDirectory() as tmp:
-        os.chdir(tmp)  # its shape inference and fp16 conversion leave files in the cwd
+    for model_type in ORT_MODEL_TYPES:
         try:
-            for model_type in ORT_MODEL_TYPES:
-                try:
-                    optimized = optimizer.optimize_model(str(path), model_type=model_type)
-                    optimized.convert_float_to_float16(keep_io_types=True)
-                    out[model_type] = optimized.model
-                except Exception as e:  # a model type that does not fit this architecture
-                    log.info("ort optimizer %s failed: %s", model_type, e)
-        finally:
-            os.chdir(here)
+            out[model_type] = peers.ort_optimizer_fp16(path, model_type)
+        except Exception as e:  # a model type that does not fit this architecture
+            log.info("ort optimizer %s failed: %s", model_type, e)
     return out
 
 

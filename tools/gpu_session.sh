@@ -9,6 +9,7 @@
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 ... -d .whl ortools immutabledict
 # and there: pip install --no-index --no-deps --target /tmp/site .whl/*.whl; PYTHONPATH=/tmp/site
 set -u
+MODE=${1:-all}
 OUT=${OUT:-results/gpu}
 mkdir -p "$OUT"
 # amp_rewrite from $PYTHONPATH where it is installed there (device: a carried wheel), else this checkout
@@ -31,7 +32,7 @@ if [ ! -s "$OUT/smoke.json" ] || grep -q '"error"' "$OUT/smoke.json"; then
   echo "smoke test failed"; cat "$OUT/smoke.json"; exit 1
 fi
 # recheck: only what changed since the last measured run (the mask pass, compiled paths)
-[ "${1:-all}" = recheck ] || section "gemm" 60 python3 tools/bench_gpu_gemm.py --out "$OUT/gemm.json"
+[ "$MODE" = recheck ] || section "gemm" 60 python3 tools/bench_gpu_gemm.py --out "$OUT/gemm.json"
 eager() {
   section "eager fp16 $1" 110 $TRAIN --models $1 --compile off --phases train forward \
       --steps 10 --warmup 3
@@ -45,11 +46,12 @@ eager bert
 section "profile bert" 60 python3 tools/profile_gpu_step.py --models bert \
     --variants autocast amp_rewrite --out "$OUT/profile.json"
 eager gpt2
-[ "${1:-all}" = recheck ] || eager mlp_odd
-if [ "${1:-all}" = recheck ]; then compiled bert; compiled gpt2; fi
-[ "${1:-all}" = recheck ] && { section "eager bf16 bert gpt2" 120 $TRAIN --models bert gpt2 --dtype bf16 \
-    --compile off --variants autocast amp_rewrite --steps 10 --warmup 3; exit 0; }
-[ "${1:-all}" = eager ] && { eager resnet50; exit 0; }
+bf16() {
+  section "eager bf16 bert gpt2" 120 $TRAIN --models bert gpt2 --dtype bf16 --compile off \
+      --variants autocast amp_rewrite --steps 10 --warmup 3
+}
+if [ "$MODE" = recheck ]; then compiled bert; compiled gpt2; bf16; exit 0; fi
+eager mlp_odd
+[ "$MODE" = eager ] && { eager resnet50; exit 0; }
 compiled bert; eager resnet50; compiled gpt2
-section "eager bf16 bert gpt2" 120 $TRAIN --models bert gpt2 --dtype bf16 --compile off \
-    --variants autocast amp_rewrite --steps 10 --warmup 3
+bf16

@@ -398,3 +398,22 @@ def ort_optimized_graph(model: onnx.ModelProto,
         if feeds is not None:
             session.run(None, feeds)
         return onnx.load(options.optimized_model_filepath)
+
+
+def ort_optimizer_fp16(path: str | os.PathLike, model_type: str) -> onnx.ModelProto:
+    """What ORT users run: ``onnxruntime.transformers.optimizer.optimize_model(path,
+    model_type)`` then ``.convert_float_to_float16(keep_io_types=True)``; raises whatever it
+    raises (its fusions index into graphs they do not expect). It runs in a scratch working
+    directory: its shape inference and conversion leave files in the current one."""
+    from onnxruntime.transformers import optimizer
+
+    path = os.path.abspath(path)
+    here = os.getcwd()
+    with tempfile.TemporaryDirectory() as tmp:
+        os.chdir(tmp)
+        try:
+            optimized = optimizer.optimize_model(path, model_type=model_type)
+            optimized.convert_float_to_float16(keep_io_types=True)
+        finally:
+            os.chdir(here)
+    return optimized.model

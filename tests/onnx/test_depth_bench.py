@@ -27,7 +27,7 @@ def test_depth_bench_times_every_converter_on_a_valid_export(depth_bench, tmp_pa
                              "--cache", str(tmp_path / "cache"), "--out", str(out)]) == 0
     rows = {r["converter"]: r for r in json.loads(out.read_text())}
     # onnxconverter-common is a bench extra; onnxruntime (and its converter) is always here
-    assert {"amp_rewrite", "amp_rewrite --no-fuse", "ort_float16"} <= set(rows)
+    assert {"amp_rewrite", "amp_rewrite --no-fuse", "ort_transformers"} <= set(rows)
     assert any(c.startswith("ort_optimizer[") for c in rows), "ORT's optimizer fits BERT"
     ours, plain = rows["amp_rewrite"], rows["amp_rewrite --no-fuse"]
     assert ours["layers"] == 2 and ours["vs_amp_rewrite"] == 1.0
