@@ -96,11 +96,8 @@ def rewrite_onnx_model(source: str | os.PathLike | onnx.ModelProto | bytes | ir.
         if opset is not None:
             model = _converted(model, opset)
         pinned = _calibrate(source, model, low, calibration_data, calibration_threshold)
-        options = OnnxOptions(low, keep_io_types, tuple(map(str, listed(rules))),
-                              tuple(listed(keep_fp32)), pinned, savings_weight,
-                              clamp_constants=clamp_constants, pad=bool(pad),
-                              pad_policy=pad if isinstance(pad, PadPolicy) else None,
-                              fuse=fuse, target=target)
+        options = _options(low, keep_io_types, rules, keep_fp32, pinned, savings_weight,
+                           clamp_constants, pad, fuse, target)
         pass_ = MixedPrecisionPass(options)
         pass_(model)
         versions.set_lowest_ir_version(model)
@@ -114,16 +111,54 @@ def rewrite_onnx_model(source: str | os.PathLike | onnx.ModelProto | bytes | ir.
     return result
 
 
+def _options(low: LowDtype, keep_io_types: bool, rules, keep_fp32, pinned, savings_weight,
+             clamp_constants: bool, pad: bool | PadPolicy, fuse: bool, target: str) -> OnnxOptions:
+    return OnnxOptions(low, keep_io_types, tuple(map(str, listed(rules))),
+                       tuple(listed(keep_fp32)), pinned, savings_weight,
+                       clamp_constants=clamp_constants, pad=bool(pad),
+                       pad_policy=pad if isinstance(pad, PadPolicy) else None,
+                       fuse=fuse, target=target)
+
+
 def rewrite_onnx(model: str | os.PathLike | onnx.ModelProto | bytes,
                  **options) -> onnx.ModelProto:
-    """Rewrite an FP32 ONNX model to mixed precision; ``options`` as ``rewrite_onnx_model``."""
+    """Rewrite an FP32 ONNX model to mixed precision; ``options`` as ``rewrite_onnx_model``.
+
+    A flat model on which fusion and padding find nothing is rewritten on its ModelProto
+    (``amp_rewrite.onnx.flat``: the same output, without the onnx_ir round trip)."""
     with gc_paused():  # one pause around both: re-enabling triggers a full collection
+        if isinstance(model, bytes):
+            model = io._parse_bytes(model)
+        proto = _rewrite_flat(model, **options) if isinstance(model, onnx.ModelProto) else None
+        if proto is not None:
+            return proto
         result = rewrite_onnx_model(model, **options)
         proto = result.proto()
         # The IR never leaves this function: free it before the collector resumes, which
         # would otherwise scan it (~1M objects at 50k nodes) once more.
         io.release(result.model)
         del result
+    return proto
+
+
+def _rewrite_flat(source: onnx.ModelProto, *, dtype: str | LowDtype = "float16",
+                  keep_io_types: bool = True, rules: Iterable[str | os.PathLike] = (),
+                  keep_fp32: Iterable[str] = (), calibration_data=None,
+                  calibration_threshold: float | None = None, savings_weight: float = 0.0,
+                  check: bool = True, clamp_constants: bool = False, opset: int | None = None,
+                  pad: bool | PadPolicy = True, fuse: bool = True,
+                  target: str = "ort") -> onnx.ModelProto | None:
+    """``flat.rewrite`` with ``rewrite_onnx_model``'s arguments, checked as that checks;
+    None where the onnx_ir path must run (calibration, an opset conversion, ...)."""
+    from amp_rewrite.onnx import flat
+
+    if calibration_data is not None or opset is not None:
+        return None
+    options = _options(LowDtype.parse(dtype), keep_io_types, rules, keep_fp32, {},
+                       savings_weight, clamp_constants, pad, fuse, target)
+    proto = flat.rewrite(source, options, MixedPrecisionPass(options).rules)
+    if proto is not None and check:
+        _check_proto(proto, source)
     return proto
 
 
@@ -145,7 +180,10 @@ def _check_output(result: RewriteResult, source) -> None:
     (type inference included) unless the input itself fails it, then the plain check."""
     if result.needs_external_data:
         return  # too large for an in-memory check; save_model checks the file by path
-    proto = result.proto()
+    _check_proto(result.proto(), source)
+
+
+def _check_proto(proto: onnx.ModelProto, source) -> None:
     try:
         onnx.checker.check_model(proto, full_check=True)
         return

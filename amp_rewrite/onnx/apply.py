@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
 import ml_dtypes
@@ -54,11 +54,15 @@ class ApplyStats:
 class _Namer:
     """Unique value names across the whole model (casts must not shadow outer names)."""
 
-    def __init__(self, graphs: list[ir.Graph]) -> None:
-        self.taken = set()
-        for g in graphs:
-            self.taken.update(v.name for v in (*g.inputs, *g.initializers.values()) if v.name)
-            self.taken.update(v.name for n in g for v in n.outputs if v.name)
+    def __init__(self, taken: Iterable[str]) -> None:
+        self.taken = set(taken)
+
+    @classmethod
+    def of_graphs(cls, graphs: list[ir.Graph]) -> _Namer:
+        namer = cls(v.name for g in graphs for v in (*g.inputs, *g.initializers.values())
+                    if v.name)
+        namer.taken.update(v.name for g in graphs for n in g for v in n.outputs if v.name)
+        return namer
 
     def __call__(self, base: str) -> str:
         name, i = base, 1
@@ -71,7 +75,7 @@ class _Namer:
 def apply_plan(model: ir.Model, view: OnnxView, plan: PrecisionPlan) -> ApplyStats:
     stats = ApplyStats()
     low_ir = to_ir_dtype(view.low)
-    namer = _Namer(view.graphs)
+    namer = _Namer.of_graphs(view.graphs)
     # Overflow in a conversion is clamped and counted (``_convert``), never a warning. Set
     # once here: per call, the errstate context cost a third of converting a small weight.
     with np.errstate(over="ignore"):

@@ -271,7 +271,7 @@ class _Applier:
 
     def __init__(self, graph: ir.Graph, plan: PaddingPlan, stats: PadStats) -> None:
         self.graph, self.plan, self.stats = graph, plan, stats
-        self.namer = _Namer([graph])
+        self.namer = _Namer.of_graphs([graph])
         self.versions: dict[tuple[ir.Value, tuple[AxisPad, ...]], ir.Value] = {}
         self.symbols = input_symbols(graph)
         self.symbol_sizes: dict[str, ir.Value] = {}

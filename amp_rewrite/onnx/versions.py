@@ -8,6 +8,7 @@ came with IR 9, 4-bit integers with IR 10, float4 with IR 11, float8e8m0 with IR
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Mapping
 
 import onnx
 import onnx_ir as ir
@@ -55,15 +56,22 @@ def _model_dtypes(model: ir.Model) -> set[ir.DataType]:
 def lowest_ir_version(model: ir.Model) -> int:
     """The lowest IR version ``model``'s opsets and element types allow, never below
     min(the model's own, SAFE_FLOOR); the model's own where a feature is too new to judge."""
-    own = model.ir_version
-    opsets = [onnx.helper.make_opsetid(d, v) for d, v in model.opset_imports.items()]
+    return lowest_ir_version_for(model.ir_version, model.opset_imports,
+                                 lambda: _model_dtypes(model))
+
+
+def lowest_ir_version_for(own: int, opset_imports: Mapping[str, int],
+                          dtypes: Callable[[], set[ir.DataType]]) -> int:
+    """``lowest_ir_version`` from a model's own IR version, its opset imports and the
+    element types it uses (``dtypes``, called only where they decide)."""
+    opsets = [onnx.helper.make_opsetid(d, v) for d, v in opset_imports.items()]
     try:
         by_opset = onnx.helper.find_min_ir_version_for(opsets, ignore_unknown=True)
     except ValueError:  # an ai.onnx opset newer than this onnx knows
         return own
     if own <= max(by_opset, SAFE_FLOOR):
         return max(own, by_opset)  # nothing to lower: skip the scan of every value's dtype
-    by_dtype = dtype_ir_version(_model_dtypes(model))
+    by_dtype = dtype_ir_version(dtypes())
     if by_dtype is None:
         return own
     need = max(by_opset, by_dtype)
