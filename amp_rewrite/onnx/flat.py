@@ -214,9 +214,9 @@ def _why_not_nodes(model: _Model, options: OnnxOptions) -> str | None:
     outputs = model.graph_outputs
     if len(set(outputs)) != len(outputs) or any(o not in producer for o in outputs):
         return "a graph output is repeated, or not a node's output"
-    if any(name not in producer or name in outputs
+    if any((name not in producer and name not in model.initializers) or name in outputs
            for name in model.typed_at_load - set(outputs)):
-        return "value_info describes a graph input, initializer or output"
+        return "value_info describes a graph input or output"
     return ((_fusion_candidates(model, options) if options.fuse else None)
             or (_padding_candidates(model, options) if options.pad else None))
 
