@@ -24,7 +24,7 @@ from amp_rewrite.core import CastPlan, Precision, PrecisionPlan
 from amp_rewrite.onnx import convert
 from amp_rewrite.onnx.ports import to_ir_dtype
 from amp_rewrite.onnx.view import (FLOAT32_SENTINEL, INSERTED_TAG, SMALL_TENSOR_BYTES, OnnxView,
-                                   cast_dtypes)
+                                   SmallFloat32, cast_dtypes)
 
 logger = logging.getLogger(__name__)
 REASON_KEY = "amp_rewrite.reason"
@@ -205,24 +205,31 @@ def _small_initializers_converted(view: OnnxView,
         return {}, 0
     picked = [(value, i) for value, node in sources
               if node is None and (i := small.index.get(value)) is not None]
+    protos = joined_converted(small, [(v, i, v.const_value.raw.dims) for v, i in picked], low_ir)
+    starts = small.starts
+    elements = int(sum(starts[i + 1] - starts[i] for _, i in picked)) if protos else 0
+    return {v: ir.serde.TensorProtoTensor(t) for v, t in protos.items()}, elements
+
+
+def joined_converted(small: SmallFloat32, picked: list[tuple[Hashable, int, object]],
+                     low_ir: ir.DataType) -> dict[Hashable, onnx.TensorProto]:
+    """The picked tensors of ``small`` ((key, index, dims): the value's name is the key's, or
+    the key itself), converted in one call over the joined array, as TensorProtos; empty where
+    one of them overflows (each is then clamped alone, by ``_convert``)."""
     if not picked:
-        return {}, 0
+        return {}
     if low_ir == ir.DataType.FLOAT16:
         low, overflowed = convert.to_float16(small.data)
     else:
         low = small.data.astype(ml_dtypes.bfloat16)
         overflowed = convert.has_inf(low)
     starts = small.starts.tolist()  # Python ints: numpy scalars slow the loop below
-    if overflowed and any(convert.has_inf(low[starts[i]:starts[i + 1]]) for _, i in picked):
-        return {}, 0
-    data, converted, elements, dtype = low.tobytes(), {}, 0, int(low_ir)
-    for value, i in picked:
-        begin, end = starts[i], starts[i + 1]
-        elements += end - begin
-        converted[value] = ir.serde.TensorProtoTensor(onnx.TensorProto(
-            name=value.name, dims=value.const_value.raw.dims, raw_data=data[2 * begin:2 * end],
-            data_type=dtype))
-    return converted, elements
+    if overflowed and any(convert.has_inf(low[starts[i]:starts[i + 1]]) for _, i, _ in picked):
+        return {}
+    data, dtype = low.tobytes(), int(low_ir)
+    return {key: onnx.TensorProto(name=getattr(key, "name", key), dims=dims, data_type=dtype,
+                                  raw_data=data[2 * starts[i]:2 * starts[i + 1]])
+            for key, i, dims in picked}
 
 
 def _stored_array(value: ir.Value, node: ir.Node | None) -> bool:

@@ -9,15 +9,14 @@ spliced in, the initializers swapped.
 
 This is a second ONNX adapter (DESIGN §1 has one, on onnx_ir), kept small by taking only
 what it can do exactly as the onnx_ir adapter would: ``rewrite`` returns None, and the caller
-takes the onnx_ir path, for anything else (``_why_not`` names the reason; each is cheap to
-see). Its output equals the onnx_ir path's (same plan, nodes, names, initializers, types):
+takes the onnx_ir path, for anything else (the ``_why_not_*`` functions name the reason;
+each is cheap to see). Its output equals the onnx_ir path's (same plan, nodes, names, initializers, types):
 tests/onnx/test_flat.py holds it to that on the ONNX node-test corpus, the zoo and the
 benchmark chains. The port groups come from the same cached ``ports.port_groups``, asked
 once per signature through a stand-in onnx_ir node.
 """
 from __future__ import annotations
 
-import fnmatch
 import itertools
 import logging
 import math
@@ -25,7 +24,6 @@ import sys
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-import ml_dtypes
 import numpy as np
 import onnx
 import onnx_ir as ir
@@ -33,17 +31,17 @@ from onnx import TensorProto
 
 from amp_rewrite.core import (GroupInfo, LowDtype, PadPolicy, Precision, PrecisionGraph,
                               PrecisionPlan, RuleSet, plan_precision)
-from amp_rewrite.core.rules import close_match
 from amp_rewrite.core.runtime import Background
-from amp_rewrite.onnx import convert, io, versions
-from amp_rewrite.onnx.apply import REASON_KEY, _convert, _Namer
+from amp_rewrite.onnx import io, versions
+from amp_rewrite.onnx.apply import REASON_KEY, _convert, _Namer, joined_converted
 from amp_rewrite.onnx.fusion import fusion_steps
 from amp_rewrite.onnx.pad import MIN_OPSET
-from amp_rewrite.onnx.passes import OnnxOptions
+from amp_rewrite.onnx.passes import OnnxOptions, _warn_unmatched_patterns
 from amp_rewrite.onnx.ports import (CONTROL_FLOW, INDEPENDENT_TYPE_VARS, PortGroup,
                                     to_ir_dtype)
-from amp_rewrite.onnx.view import (INSERTED_TAG, SMALL_TENSOR_BYTES, _FIXED_GROUPS,
-                                   SmallFloat32, _fits, _fixed_port_groups, range_problem)
+from amp_rewrite.onnx.view import (_ADDEND_PORTS, _FIXED_GROUPS, INSERTED_TAG,
+                                   SMALL_TENSOR_BYTES, SmallFloat32, _fits, _fixed_port_groups,
+                                   range_problem)
 
 logger = logging.getLogger(__name__)
 LABEL = "<ModelProto>"
@@ -56,8 +54,6 @@ _GEMMS = ("MatMul", "Gemm", "Conv")
 # default-domain node to its schema's attributes).
 _OTHER_PATH_OPS = frozenset({"Constant", "SequenceMap", *INDEPENDENT_TYPE_VARS, *io.DTYPE_OPS,
                              *CONTROL_FLOW})
-# Inputs only added into a sum (view._ADDEND_PORTS, default domain)
-_ADDEND_PORTS = {"Add": {0, 1}, "Sub": {0, 1}, "Conv": {2}, "ConvTranspose": {2}}
 
 
 @dataclass
@@ -109,7 +105,7 @@ def rewrite(source: onnx.ModelProto, options: OnnxOptions,
         return None
     plan = plan_precision(view.graph, rules, keep_fp32=options.keep_fp32, pins={},
                           savings_weight=options.savings_weight, wide_values={})
-    _warn_unmatched(options.keep_fp32, view.graph)
+    _warn_unmatched_patterns(options.keep_fp32, view)
     return _Applier(model, view, plan).output()
 
 
@@ -141,16 +137,6 @@ def _why_not_model(proto: onnx.ModelProto, options: OnnxOptions) -> str | None:
     if total > io.PROTOBUF_LIMIT // 2:
         return "weights too large for one proto"
     return None
-
-
-def _checker(proto: onnx.ModelProto) -> Background:
-    """The input checker and shape inference, on the other core for large models."""
-    if len(proto.graph.node) >= io.BACKGROUND_NODES:
-        return Background(io._checked_and_inferred, proto, LABEL, None)
-    job = Background.__new__(Background)  # computed in result(), as on one core
-    job._fn, job._args, job._pid, job._read_end, job._answer = (
-        io._checked_and_inferred, (proto, LABEL, None), None, None, None)
-    return job
 
 
 def _read(proto: onnx.ModelProto) -> tuple[_Model | None, str | None]:
@@ -316,7 +302,7 @@ def _why_not_constants(model: _Model, options: OnnxOptions) -> str | None:
 def _only_summed(model: _Model, name: str) -> bool:
     """``view.only_summed`` (an initializer is never a graph output here)."""
     uses = model.readers.get(name, ())
-    return bool(uses) and all(j in _ADDEND_PORTS.get(model.ops[i], ()) for i, j in uses)
+    return bool(uses) and all(j in _ADDEND_PORTS.get(("", model.ops[i]), ()) for i, j in uses)
 
 
 def _float32(t: TensorProto) -> np.ndarray:
@@ -452,16 +438,6 @@ def _stand_in(sig: tuple) -> ir.Node:
                    outputs=[value(f"o{k}", d) for k, d in enumerate(outs)])
 
 
-def _warn_unmatched(patterns: tuple[str, ...], graph: PrecisionGraph) -> None:
-    if not patterns:
-        return
-    names = {g.name for g in graph.groups() if g.name}
-    for pattern in patterns:
-        if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
-            logger.warning("--keep-fp32 %r matches no node%s", pattern,
-                           close_match(pattern, names))
-
-
 # ---------------------------------------------------------------------------------- apply
 
 
@@ -522,24 +498,9 @@ class _Applier:
             self.dtype[name] = low
 
     def _small_converted(self, names: list[str]) -> dict[str, TensorProto]:
-        """``apply._small_initializers_converted``: the small ones in one conversion, unless
-        one of them overflows (then each is clamped alone, by ``_convert``)."""
-        small = self.model.small
-        picked = [(name, small.index[name]) for name in names if name in small.index]
-        if not picked:
-            return {}
-        if self.low_ir == ir.DataType.FLOAT16:
-            low, overflowed = convert.to_float16(small.data)
-        else:
-            low = small.data.astype(ml_dtypes.bfloat16)
-            overflowed = convert.has_inf(low)
-        starts = small.starts.tolist()
-        if overflowed and any(convert.has_inf(low[starts[i]:starts[i + 1]]) for _, i in picked):
-            return {}
-        data, dtype = low.tobytes(), int(self.low_ir)
-        return {name: TensorProto(name=name, dims=self.model.initializers[name].dims,
-                                  raw_data=data[2 * starts[i]:2 * starts[i + 1]], data_type=dtype)
-                for name, i in picked}
+        small, initializers = self.model.small, self.model.initializers
+        return joined_converted(small, [(name, small.index[name], initializers[name].dims)
+                                        for name in names if name in small.index], self.low_ir)
 
     def _array(self, name: str) -> np.ndarray:
         """An initializer's current data (converted, once it is)."""
