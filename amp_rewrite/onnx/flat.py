@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 import onnx_ir as ir
+from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 from onnx import TensorProto
 
 from amp_rewrite.core import (GroupInfo, LowDtype, PadPolicy, Precision, PrecisionGraph,
@@ -466,6 +467,7 @@ class _Applier:
         self.casts: dict[int, list[_Cast]] = {}  # after node i (-1: first), newest first
         self.outputs: dict[int, Hashable] = {}  # graph output index -> new id
         self.described: dict[Hashable, str] = {}  # new typed values -> shape source
+        self.templates: dict[tuple, onnx.NodeProto] = {}  # (to, reason) -> Cast template
         namer_names = [*model.graph_inputs, *model.initializers]
         self.namer = _Namer(namer_names + [o for outs in model.outputs for o in outs if o])
 
@@ -555,7 +557,7 @@ class _Applier:
         out.CopyFrom(source)
         graph = out.graph
         del graph.node[:]
-        graph.node.extend(self._nodes())
+        self._write_nodes(graph.node)
         converted = self.converted
         if converted or self.copies:
             del graph.initializer[:]
@@ -566,33 +568,56 @@ class _Applier:
             source.ir_version, {o.domain: o.version for o in source.opset_import}, self._dtypes)
         return out
 
-    def _nodes(self) -> list[onnx.NodeProto]:
-        renamed = [v for v in self.names if isinstance(v, str)]
+    def _write_nodes(self, out: RepeatedCompositeFieldContainer) -> None:
+        """The nodes in order, casts spliced in; untouched ones copied in runs (one call)."""
         touched = set(self.rewired)
-        for v in renamed:
-            touched.add(self.model.producer[v])
-            touched.update(i for i, _ in self.model.readers.get(v, ()))
-        nodes = [self._cast_node(c) for c in self.casts.get(-1, ())]
+        for v in self.names:
+            if isinstance(v, str):  # an original value renamed: its producer and readers
+                touched.add(self.model.producer[v])
+                touched.update(i for i, _ in self.model.readers.get(v, ()))
+        run: list[onnx.NodeProto] = []
+        for cast in self.casts.get(-1, ()):
+            self._add_cast(out, cast)
         for i, node in enumerate(self.model.nodes):
-            nodes.append(self._renamed(i, node) if i in touched else node)
-            nodes.extend(self._cast_node(c) for c in self.casts.get(i, ()))
-        return nodes
+            casts = self.casts.get(i)
+            if i not in touched and not casts:
+                run.append(node)
+                continue
+            out.extend(run)
+            run.clear()
+            if i in touched:
+                self._add_renamed(out, i, node)
+            else:
+                out.append(node)
+            for cast in casts or ():
+                self._add_cast(out, cast)
+        out.extend(run)
 
-    def _renamed(self, i: int, node: onnx.NodeProto) -> onnx.NodeProto:
-        copy = onnx.NodeProto()
+    def _add_renamed(self, out: RepeatedCompositeFieldContainer, i: int,
+                     node: onnx.NodeProto) -> None:
+        copy = out.add()
         copy.CopyFrom(node)
         inputs = self.rewired.get(i, self.model.inputs[i])
         for j, v in enumerate(inputs):
             copy.input[j] = self.name(v) if v else v
         for j, v in enumerate(self.model.outputs[i]):
             copy.output[j] = self.name(v)
-        return copy
 
-    def _cast_node(self, cast: _Cast) -> onnx.NodeProto:
-        node = onnx.helper.make_node("Cast", [self.name(cast.source)], [self.name(cast.key)],
-                                     name=cast.name, to=int(cast.to))
-        for key, value in ((INSERTED_TAG, "cast"), (REASON_KEY, cast.reason)):
-            node.metadata_props.add(key=key, value=value)
+    def _add_cast(self, out: RepeatedCompositeFieldContainer, cast: _Cast) -> None:
+        node = out.add()
+        node.CopyFrom(self._cast_template(cast.to, cast.reason))
+        node.input.append(self.name(cast.source))
+        node.output.append(self.name(cast.key))
+        node.name = cast.name
+
+    def _cast_template(self, to: ir.DataType, reason: str) -> onnx.NodeProto:
+        """A Cast with its attribute and metadata (``apply._cast_node``'s), no names:
+        copying it is cheaper than building each cast's fields anew."""
+        node = self.templates.get((to, reason))
+        if node is None:
+            node = self.templates[to, reason] = onnx.helper.make_node("Cast", [], [], to=int(to))
+            for key, value in ((INSERTED_TAG, "cast"), (REASON_KEY, reason)):
+                node.metadata_props.add(key=key, value=value)
         return node
 
     def _types(self, graph: onnx.GraphProto) -> None:
