@@ -46,6 +46,8 @@ import torch
 from torch.fx import Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
+from amp_rewrite.fx.apply import retyped
+
 logger = logging.getLogger(__name__)
 aten = torch.ops.aten
 LOWERED_TAG = "amp_rewrite_lowered"  # node.meta key: "kernel", "operand" or "result"
@@ -205,11 +207,12 @@ def _is_low_kernel(node: Node) -> bool:
     return bool(inputs) and all(_val(a).dtype == out.dtype for a in inputs)
 
 
-def _cast(graph: torch.fx.Graph, value: Node, dtype: torch.dtype, role: str) -> Node:
+def _cast(graph: torch.fx.Graph, value: Node, dtype: torch.dtype, role: str,
+          memo: dict) -> Node:
     with graph.inserting_after(value):
         node = graph.create_node("call_function", aten._to_copy.default, (value,),
                                  {"dtype": dtype}, name=f"{value.name}_{_SHORT[dtype]}")
-    node.meta["val"] = _val(value).to(dtype)
+    node.meta["val"] = retyped(_val(value), dtype, memo)
     node.meta[LOWERED_TAG] = role
     for key in ("nn_module_stack", "stack_trace"):
         if key in value.meta:
@@ -217,13 +220,13 @@ def _cast(graph: torch.fx.Graph, value: Node, dtype: torch.dtype, role: str) -> 
     return node
 
 
-def _fp32_of(graph: torch.fx.Graph, value: Node) -> Node:
+def _fp32_of(graph: torch.fx.Graph, value: Node, memo: dict) -> Node:
     """An fp32 copy of a low value: an existing plain cast to fp32 if the plan made one."""
     for user in value.users:
         if user.target is aten._to_copy.default and dict(user.kwargs) == {
                 "dtype": torch.float32} and user.meta.get(LOWERED_TAG) != "result":
             return user
-    return _cast(graph, value, torch.float32, "operand")
+    return _cast(graph, value, torch.float32, "operand", memo)
 
 
 class EmulateLowKernels(PassBase):
@@ -237,19 +240,20 @@ class EmulateLowKernels(PassBase):
     def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
         graph = graph_module.graph
         chosen = [(n, self.select(n)) for n in graph.nodes if _is_low_kernel(n)]
+        memo: dict = {}  # see apply.retyped
         for node, why in chosen:
             if why is None:
                 continue
             low = _val(node).dtype
-            upcast = {a: _fp32_of(graph, a) for a in _float_inputs(node)}
+            upcast = {a: _fp32_of(graph, a, memo) for a in _float_inputs(node)}
             node.args = torch.fx.node.map_arg(node.args, lambda a: upcast.get(a, a))
             node.kwargs = torch.fx.node.map_arg(node.kwargs, lambda a: upcast.get(a, a))
             node.meta[_LOW_VAL] = node.meta["val"]
-            node.meta["val"] = node.meta["val"].to(torch.float32)
+            node.meta["val"] = retyped(node.meta["val"], torch.float32, memo)
             node.meta[LOWERED_TAG] = "kernel"
             node.meta[_WHY] = why
             users = list(node.users)
-            rounded = _cast(graph, node, low, "result")
+            rounded = _cast(graph, node, low, "result", memo)
             for user in users:
                 user.replace_input_with(node, rounded)
             op = str(node.target).split(".")[1]

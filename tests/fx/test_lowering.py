@@ -195,3 +195,25 @@ def test_a_graph_with_lowered_attention_still_exports_compiles_and_trains(monkey
     gm(x).float().square().mean().backward()
     grads = [p.grad for p in gm.parameters()]
     assert all(g is not None and g.dtype == torch.float32 and g.isfinite().all() for g in grads)
+
+
+def test_retyped_shares_one_fake_value_per_layout():
+    """``apply.retyped`` (used by the retyping and this lowering) gives ``.to``'s value, one
+    per (shape, strides, device, requires_grad) within a memo, and a fresh one without."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from amp_rewrite.fx.apply import retyped
+
+    with FakeTensorMode():
+        a, b, c = torch.empty(4, 8), torch.empty(4, 8), torch.empty(8, 4)
+        d = torch.empty(4, 8).t()  # c's shape, other strides
+        e = torch.empty(4, 8, requires_grad=True)
+    memo: dict = {}
+    ra, rb, rc, rd, re = (retyped(x, torch.float16, memo) for x in (a, b, c, d, e))
+    assert ra is rb
+    assert len({id(ra), id(rc), id(rd), id(re)}) == 4
+    for x, r in ((a, ra), (c, rc), (d, rd), (e, re)):
+        want = x.to(torch.float16)
+        assert (r.dtype, r.shape, r.stride(), r.requires_grad) == (
+            want.dtype, want.shape, want.stride(), want.requires_grad)
+    assert retyped(a, torch.float16) is not retyped(b, torch.float16)
