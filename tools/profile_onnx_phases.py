@@ -19,6 +19,7 @@ import onnx_ir as ir
 
 import amp_rewrite
 from amp_rewrite.core import placement
+from amp_rewrite.core.runtime import Background
 from amp_rewrite.onnx import api, flat, io, passes, versions
 from amp_rewrite.onnx.fusion import FusionPass
 from bench_onnx_speed import build_chain, host_probe  # tools/ is on sys.path as a script
@@ -35,8 +36,10 @@ PHASES = [(io, "load_model", "load"), (io, "_checked_or_repaired", "  checker"),
           (io, "to_proto", "to_proto (onnx_ir)"), (io, "release", "release IR")]
 FLAT_PHASES = [(flat, "_read", "read the proto"), (flat, "_why_not_nodes", "node checks"),
                (flat, "_why_not_constants", "constant range check"),
-               (flat, "_types", "types (waits for the checker on the other core)"),
-               (flat, "_View", "view"),
+               (Background, "result", "wait for the checker + shape inference"),
+               (flat, "_types", "types"),
+               (flat, "_View", "view: inputs, initializers (during the wait)"),
+               (flat._View, "add_nodes", "view: nodes"),
                (flat, "plan_precision", "plan"),
                (placement, "constrained_regions", "  free regions"),
                (placement, "canonical", "  canonical"), (placement, "_min_cut", "  min cut"),

@@ -94,12 +94,13 @@ def rewrite(source: onnx.ModelProto, options: OnnxOptions,
         model, why = _read(source)
         why = why or _why_not_nodes(model, options) or _why_not_constants(model, options)
         if why is None:
+            view = _View(model, options.dtype, options.keep_io_types)  # while the job runs
             why = _types(model, *(job.result() if job else
                                   io._checked_and_inferred(source, LABEL, None)))
         elif job is not None:
             job.cancel()
     if why is None:
-        view = _View(model, options.dtype, options.keep_io_types)
+        view.add_nodes()
         why = "an op does not admit the low dtype at this opset" if view.opset_limited else None
     if why is not None:
         logger.debug("onnx_ir path: %s", why)
@@ -328,20 +329,31 @@ def _small_float32(initializers: dict[str, TensorProto]) -> SmallFloat32:
 class _View:
     """The core's graph, built as ``view.build_view`` builds it (same order, same sizes), with
     value names as value keys and ints as group keys (numbered in order; the plan depends on
-    the order only, and a tuple key is hashed anew at each of the planner's lookups)."""
+    the order only, and a tuple key is hashed anew at each of the planner's lookups).
+
+    Built in two steps: the graph inputs and initializers (values and sources) need no node
+    output dtype, so they are added while shape inference runs on the other core; then
+    ``add_nodes``. The graph keeps values and groups in separate dicts, so each dict gets
+    ``build_view``'s order all the same."""
 
     def __init__(self, model: _Model, low: LowDtype, keep_io: bool) -> None:
         self.model, self.low, self.low_ir = model, low, to_ir_dtype(low)
+        self.keep_io = keep_io
         self.graph = PrecisionGraph()
         self.groups: dict[int, tuple[int, PortGroup]] = {}
         self.sources: dict[int, str] = {}
         self.sinks: dict[int, int] = {}
         self.opset_limited = False
         self._keys = itertools.count()
-        self._add_values()
+        self._add_values([*model.graph_inputs, *model.initializers])
         self._add_sources(keep_io)
+
+    def add_nodes(self) -> _View:
+        """Node outputs, nodes and graph outputs (once every node output has its dtype)."""
+        self._add_values([o for outs in self.model.outputs for o in outs])
         self._add_nodes()
-        self._add_sinks(keep_io)
+        self._add_sinks(self.keep_io)
+        return self
 
     def candidate(self, name: str) -> bool:
         return self.model.dtype.get(name) in (_FLOAT, self.low_ir)
@@ -349,11 +361,10 @@ class _View:
     def _current(self, name: str) -> Precision:
         return Precision.LOW if self.model.dtype[name] == self.low_ir else Precision.HIGH
 
-    def _add_values(self) -> None:
-        m, graph = self.model, self.graph
-        candidate = {_FLOAT, self.low_ir}
-        dtype_of, add_value, has_value = m.dtype.get, graph.add_value, graph.has_value
-        for name in (*m.graph_inputs, *m.initializers, *(o for outs in m.outputs for o in outs)):
+    def _add_values(self, names: list[str]) -> None:
+        graph, candidate = self.graph, {_FLOAT, self.low_ir}
+        dtype_of, add_value, has_value = self.model.dtype.get, graph.add_value, graph.has_value
+        for name in names:
             if dtype_of(name) in candidate and not has_value(name):
                 add_value(name, name=name, nbytes=self._nbytes(name))
 
