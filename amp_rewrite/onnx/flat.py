@@ -517,7 +517,7 @@ class _Applier:
 
     def _array(self, name: str) -> np.ndarray:
         """An initializer's current data (converted, once it is)."""
-        t = self.converted.get(name) or self.model.initializers[name]
+        t = self.converted[name] if name in self.converted else self.model.initializers[name]
         if t.data_type == TensorProto.FLOAT and t.raw_data:
             return _float32(t)
         return onnx.numpy_helper.to_array(t)
