@@ -205,3 +205,37 @@ def test_bad_input_fails_as_on_the_onnx_ir_path():
     assert api._rewrite_flat(broken, check=False) is None
     with pytest.raises(ModelError, match="invalid ONNX model"):
         amp_rewrite.rewrite_onnx(broken)
+
+
+def test_mutated_models_agree_with_the_onnx_ir_path(monkeypatch):
+    """The CLI fuzz's mutations (amp_rewrite.bench.fuzz) of models the ModelProto path
+    takes: the same output, or the same kind of error, either way."""
+    from amp_rewrite.bench import fuzz
+
+    models = {"chain": build_chain(60, "residual_deny"), "plain": build_chain(30, "plain")}
+    flat_path = api._rewrite_flat
+    taken = []
+
+    def outcome(case, path, **options) -> tuple:
+        monkeypatch.setattr(api, "_rewrite_flat", path)
+        try:
+            with np.errstate(all="ignore"), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return "ok", canonical(amp_rewrite.rewrite_onnx(case.data, **options))
+        except Exception as e:  # noqa: BLE001 - the kind of error is what is compared
+            return type(e).__name__, None
+
+    def recording(*args, **kwargs):
+        result = flat_path(*args, **kwargs)
+        taken.append(result is not None)
+        return result
+
+    for seed in range(80):
+        case = fuzz.make_case(seed, models)
+        if case.external:
+            continue
+        options = {"dtype": "bfloat16"} if "bf16" in " ".join(case.flags) else {}
+        got = outcome(case, recording, **options)
+        want = outcome(case, lambda *a, **k: None, **options)
+        assert got == want, f"seed {seed} ({case.mutations}): {got[0]} against {want[0]}"
+    assert sum(taken) >= 15, f"the ModelProto path took {sum(taken)} mutated models"
