@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 import time
@@ -15,7 +16,7 @@ import onnx_ir as ir
 
 from amp_rewrite.core import LowDtype, PadPolicy
 from amp_rewrite.core.runtime import gc_paused, listed
-from amp_rewrite.errors import ModelError, OutputCheckError
+from amp_rewrite.errors import OutputCheckError
 from amp_rewrite.onnx import io, versions
 from amp_rewrite.onnx.passes import MixedPrecisionPass, OnnxOptions
 
@@ -141,23 +142,22 @@ def rewrite_onnx(model: str | os.PathLike | onnx.ModelProto | bytes,
     return proto
 
 
-def _rewrite_flat(source: onnx.ModelProto, *, dtype: str | LowDtype = "float16",
-                  keep_io_types: bool = True, rules: Iterable[str | os.PathLike] = (),
-                  keep_fp32: Iterable[str] = (), calibration_data=None,
-                  calibration_threshold: float | None = None, savings_weight: float = 0.0,
-                  check: bool = True, clamp_constants: bool = False, opset: int | None = None,
-                  pad: bool | PadPolicy = True, fuse: bool = True,
-                  target: str = "ort") -> onnx.ModelProto | None:
-    """``flat.rewrite`` with ``rewrite_onnx_model``'s arguments, checked as that checks;
-    None where the onnx_ir path must run (calibration, an opset conversion, ...)."""
+def _rewrite_flat(source: onnx.ModelProto, **options) -> onnx.ModelProto | None:
+    """``flat.rewrite`` with ``rewrite_onnx_model``'s arguments (and defaults), checked as
+    that checks; None where the onnx_ir path must run (calibration, an opset conversion, ...)."""
     from amp_rewrite.onnx import flat
 
-    if calibration_data is not None or opset is not None:
+    bound = inspect.signature(rewrite_onnx_model).bind(source, **options)
+    bound.apply_defaults()
+    a = bound.arguments
+    if a["calibration_data"] is not None or a["opset"] is not None:
         return None
-    options = _options(LowDtype.parse(dtype), keep_io_types, rules, keep_fp32, {},
-                       savings_weight, clamp_constants, pad, fuse, target)
-    proto = flat.rewrite(source, options, MixedPrecisionPass(options).rules)
-    if proto is not None and check:
+    low = LowDtype.parse(a["dtype"])
+    onnx_options = _options(low, a["keep_io_types"], a["rules"], a["keep_fp32"], {},
+                            a["savings_weight"], a["clamp_constants"], a["pad"], a["fuse"],
+                            a["target"])
+    proto = flat.rewrite(source, onnx_options, MixedPrecisionPass(onnx_options).rules)
+    if proto is not None and a["check"]:
         _check_proto(proto, source)
     return proto
 

@@ -313,14 +313,9 @@ def _float32(t: TensorProto) -> np.ndarray:
 
 def _small_float32(initializers: dict[str, TensorProto]) -> SmallFloat32:
     """``view._small_float32`` of the proto's initializers, by name."""
-    small = [(name, t.raw_data) for name, t in initializers.items()
-             if t.data_type == TensorProto.FLOAT and t.raw_data
-             and len(t.raw_data) <= SMALL_TENSOR_BYTES]
-    sizes = np.fromiter((len(raw) // 4 for _, raw in small), np.int64, len(small))
-    return SmallFloat32([name for name, _ in small],
-                        np.frombuffer(b"".join(raw for _, raw in small), "<f4"),
-                        np.concatenate(([0], np.cumsum(sizes))),
-                        {name: i for i, (name, _) in enumerate(small)})
+    return SmallFloat32.joined([(name, t.raw_data) for name, t in initializers.items()
+                                if t.data_type == TensorProto.FLOAT and t.raw_data
+                                and len(t.raw_data) <= SMALL_TENSOR_BYTES])
 
 
 # ----------------------------------------------------------------------------------- view
@@ -383,8 +378,8 @@ class _View:
         m = self.model
         for name in m.graph_inputs:
             if self.candidate(name):
-                fixed = self._current(name) if keep_io or self._current(
-                    name) is Precision.LOW else None
+                current = self._current(name)
+                fixed = current if keep_io or current is Precision.LOW else None
                 self._source(name, fixed, "graph input keeps its dtype (keep_io_types)")
         for name in m.initializers:
             if self.candidate(name):

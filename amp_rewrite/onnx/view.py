@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import ml_dtypes
@@ -294,6 +295,15 @@ class SmallFloat32:
     starts: np.ndarray  # int64: tensor i is data[starts[i]:starts[i + 1]]
     index: dict[ir.Value, int]  # value -> i
 
+    @classmethod
+    def joined(cls, small: list[tuple[Hashable, bytes]]) -> SmallFloat32:
+        """(key, raw float32 bytes) pairs joined end to end, in order."""
+        sizes = np.fromiter((len(raw) // 4 for _, raw in small), np.int64, len(small))
+        return cls([key for key, _ in small],
+                   np.frombuffer(b"".join(raw for _, raw in small), "<f4"),
+                   np.concatenate(([0], np.cumsum(sizes))),
+                   {key: i for i, (key, _) in enumerate(small)})
+
 
 def _small_float32(graphs: list[ir.Graph]) -> tuple[SmallFloat32, list[tuple[ir.Value, object]]]:
     """The float32 initializers and ``Constant(value=...)`` tensors: the small raw ones
@@ -306,11 +316,7 @@ def _small_float32(graphs: list[ir.Graph]) -> tuple[SmallFloat32, list[tuple[ir.
             others.append((value, tensor))
         else:
             small.append((value, raw))
-    sizes = np.fromiter((len(raw) // 4 for _, raw in small), np.int64, len(small))
-    return SmallFloat32([v for v, _ in small],
-                        np.frombuffer(b"".join(raw for _, raw in small), "<f4"),
-                        np.concatenate(([0], np.cumsum(sizes))),
-                        {v: i for i, (v, _) in enumerate(small)}), others
+    return SmallFloat32.joined(small), others
 
 
 def _range_problems(small: SmallFloat32, others: list[tuple[ir.Value, object]], low: LowDtype,
