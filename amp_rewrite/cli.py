@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="node-name glob pinned to fp32 (repeatable)")
     p.add_argument("--no-keep-io-types", dest="keep_io_types", action="store_false",
                    help="let graph inputs/outputs change dtype too")
+    p.add_argument("--low-io", action="append", default=[], metavar="PATTERN",
+                   help="graph inputs/outputs whose names match (fnmatch, comma-separated, "
+                   "repeatable; e.g. 'past_key_values.*,present.*') become low precision")
     p.add_argument("--calibrate", metavar="DATA.npz",
                    help="inputs for a FP32 run; values beyond --threshold stay fp32")
     p.add_argument("--threshold", type=float, help="calibration magnitude limit (default: "
@@ -86,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "the fewest cast bytes; 1 also runs ops low whose savings pay their casts")
     p.add_argument("--opset", type=int, metavar="N",
                    help="convert to ai.onnx opset N first (bf16 Conv/BatchNorm/LSTM need 22)")
+    p.add_argument("--keep-opset", action="store_true",
+                   help="with --dtype bf16: refuse (exit 3) a model whose opset does not admit "
+                   "bf16 for its compute ops, instead of converting it (default: convert to "
+                   "the opset that does, 22 for Conv/BatchNorm/LSTM, and say so)")
     p.add_argument("--clamp-constants", action="store_true",
                    help="store constants beyond the low dtype's range clamped (default: keep "
                         "them and their readers fp32)")
@@ -255,7 +262,8 @@ def _load_and_rewrite(args, paths: _RunPaths, stages):
                                   calibration_threshold=args.threshold,
                                   savings_weight=args.savings_weight,
                                   clamp_constants=args.clamp_constants, opset=args.opset,
-                                  pad=args.pad, fuse=args.fuse, target=args.target)
+                                  pad=args.pad, fuse=args.fuse, target=args.target,
+                                  low_io=args.low_io, keep_opset=args.keep_opset)
 
 
 @contextlib.contextmanager
@@ -345,7 +353,8 @@ def _validate(args, result):
 def _finish(args, result, out: Path | None, validation, seconds: float,
             report_path: Path | None) -> None:
     report = dict(result.report, model=str(args.model),
-                  output=str(out) if out else None, seconds=round(seconds, 3))
+                  output=str(out) if out else None, seconds=round(seconds, 3),
+                  runs_on=_runs_on(args, result))
     if validation is not None:
         report["validation"] = [e.__dict__ for e in validation[0]]
     if report_path is not None:
@@ -355,7 +364,18 @@ def _finish(args, result, out: Path | None, validation, seconds: float,
     if not args.quiet:
         _print_summary(report, args)
         if validation is not None:
-            _print_validation(validation)
+            _print_validation(validation, report.get("runs_on"))
+
+
+def _runs_on(args, result) -> str | None:
+    """Where a bf16 output runs when this onnxruntime cannot load it (validate.runtime_note)."""
+    from amp_rewrite.core import LowDtype
+    from amp_rewrite.onnx import validate
+
+    low = LowDtype.parse(args.dtype)
+    if low is not LowDtype.BFLOAT16 or result.needs_external_data:
+        return None
+    return validate.runtime_note(result.proto(), low)
 
 
 def _explain(result, name: str) -> None:
@@ -398,8 +418,18 @@ def _print_summary(r: dict, args) -> None:
                                                  f"above {threshold:g} (kept fp32)"))
     if r.get("constants_kept_fp32"):
         rows.insert(5, ("constants kept fp32 (range)", len(r["constants_kept_fp32"])))
+    if r.get("low_io", {}).get("values"):
+        from amp_rewrite.onnx.passes import format_bytes_saved
+
+        low_io = r["low_io"]
+        rows.insert(4, ("low-precision I/O", f"{len(low_io['values'])} values, saves "
+                        f"{format_bytes_saved(low_io['bytes_saved'])} per run"))
     if r.get("opset_advice"):
         rows.insert(2, ("note", r["opset_advice"]))
+    if r.get("runs_on"):
+        rows.insert(2, ("runs on", r["runs_on"]))
+    if r.get("opset_conversion"):
+        rows.insert(2, ("opset", r["opset_conversion"]))
     if not r["modified"]:
         rows.insert(2, ("note", _nothing_to_change(counts)))
     width = max(len(k) for k, _ in rows)
@@ -428,8 +458,10 @@ def _padded_row(padding: dict) -> str:
             f"{padding.get('slices_inserted', 0)} Slice)")
 
 
-def _print_validation(validation) -> None:
+def _print_validation(validation, runs_on: str | None = None) -> None:
     errors, tol = validation
+    if runs_on:
+        print("validated in onnx.reference: bfloat16 targets GPU providers")
     print(f"{'output':<24} {'max abs':>10} {'max rel':>10}  status (tolerance {tol:g})")
     for e in errors:
         status = "NaN/Inf!" if e.new_nonfinite else ("ok" if e.ok(tol) else "FAIL")

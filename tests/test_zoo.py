@@ -41,12 +41,16 @@ EXPECTED_SHAPES = {
     "wav2vec2": [(2, 39, 32)],
     "clip_vision": [(2, 17, 32), (2, 32)],
     "segformer": [(2, 5, 16, 16)],
+    "clip_text": [(2, 77, 32), (2, 32)],
+    "llama_32k": [(2, 16, 32000)],
+    "unet_block": [(2, 4, 16, 16)],  # predicted noise has the latents' shape
 }
 REQUIRED = {
     "bert", "distilbert", "gpt2", "llama", "t5", "bart", "vit", "swin", "resnet", "convnext",
     "mobilenet_v2", "whisper_encoder", "wav2vec2", "clip_vision", "segformer",
 }  # fmt: skip
-MASKED = ["bert", "roberta", "albert", "distilbert", "gpt2", "llama", "t5", "bart"]
+MASKED = ["bert", "roberta", "albert", "distilbert", "gpt2", "llama", "t5", "bart", "clip_text",
+          "llama_32k"]
 # One model per wrapper kind (text, seq2seq, image with BatchNorm, audio features/values).
 ONNX_SUBSET = ["llama", "bart", "resnet", "whisper_encoder", "wav2vec2"]
 
@@ -222,3 +226,11 @@ def test_bundled_example_matches_its_script() -> None:
     with torch.no_grad():
         want = block(x).numpy()
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
+def test_dynamic_export_has_symbolic_batch_and_sequence(tmp_path) -> None:
+    """A serving export: one symbolic batch dim shared by ids and mask, one sequence dim."""
+    model = onnx.load(zoo.cached_onnx("bert", dynamic=True), load_external_data=False)
+    dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim]
+            for i in model.graph.input}
+    assert dims == {"input_ids": ["batch", "sequence"], "attention_mask": ["batch", "sequence"]}

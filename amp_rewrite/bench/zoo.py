@@ -43,6 +43,8 @@ _VOCAB = 128
 _SEQ = 16
 _DEC_SEQ = 8
 _IMAGE = 32
+_CLIP_SEQ = 77
+_UNET_IN, _UNET_IMAGE, _UNET_CHANNELS = 4, 16, 32
 
 
 @dataclasses.dataclass
@@ -137,12 +139,17 @@ def _wrapper_types() -> dict[str, type]:
         def forward(self, input_values: torch.Tensor):  # noqa: D102
             return self._call(input_values=input_values)
 
+    class Denoiser(_Wrapper):
+        def forward(self, sample: torch.Tensor, timestep: torch.Tensor):  # noqa: D102
+            return self._call(sample=sample, timestep=timestep)
+
     return {
         "text": Text,
         "seq2seq": Seq2Seq,
         "image": Image,
         "audio_features": AudioFeatures,
         "audio_values": AudioValues,
+        "denoiser": Denoiser,
     }
 
 
@@ -230,6 +237,126 @@ def _whisper_encoder(attn: str, **overrides: Any) -> torch.nn.Module:
         bos_token_id=0, eos_token_id=2, decoder_start_token_id=3, **overrides,
     )  # fmt: skip
     return WhisperEncoder(cfg)
+
+
+def _clip_text_inputs(g: torch.Generator, batch: int) -> tuple:
+    """77 tokens as CLIP's tokenizer pads them: text, the end-of-text token (id 2, the
+    config's eos_token_id, which the pooler looks for), then masked padding."""
+    ids, mask = _tokens(g, batch, _CLIP_SEQ), _mask(batch, _CLIP_SEQ)
+    ends = mask.sum(dim=1) - 1
+    ids[range(batch), ends] = 2
+    return (ids, mask)
+
+
+def _denoiser_inputs(g: torch.Generator, batch: int) -> tuple:
+    import torch
+
+    latents = torch.randn(batch, _UNET_IN, _UNET_IMAGE, _UNET_IMAGE, generator=g)
+    timesteps = torch.randint(0, 1000, (batch,), generator=g).to(torch.float32)
+    return (latents, timesteps)
+
+
+def _unet_block(attn: str, **overrides: Any) -> torch.nn.Module:
+    """A Stable Diffusion UNet stage, hand-written (``diffusers`` is not a dependency)."""
+    if overrides:
+        raise UsageError(f"unet_block takes no config overrides, got {sorted(overrides)}")
+    return _unet_types()["UNetBlock"](sdpa=attn == "sdpa")
+
+
+@functools.cache
+def _unet_types() -> dict[str, type]:
+    """diffusers' UNet2DConditionModel pieces, written out at tiny sizes: the sinusoidal
+    ``Timesteps`` + ``TimestepEmbedding`` MLP, ``ResnetBlock2D`` (GroupNorm, SiLU, 3x3 conv,
+    time embedding added per channel, residual) and ``Transformer2DModel`` with one
+    ``BasicTransformerBlock`` (GroupNorm, 1x1 proj_in, LayerNorm + self-attention,
+    LayerNorm + GEGLU feed-forward, 1x1 proj_out, residual); conv_in/conv_out around them."""
+    import math
+
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+
+    ch, groups, heads = _UNET_CHANNELS, 8, 4
+
+    class ResnetBlock2D(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm1 = nn.GroupNorm(groups, ch, eps=1e-5)
+            self.conv1 = nn.Conv2d(ch, ch, 3, padding=1)
+            self.time_emb_proj = nn.Linear(4 * ch, ch)
+            self.norm2 = nn.GroupNorm(groups, ch, eps=1e-5)
+            self.conv2 = nn.Conv2d(ch, ch, 3, padding=1)
+
+        def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+            h = self.conv1(F.silu(self.norm1(x)))
+            h = h + self.time_emb_proj(F.silu(temb))[:, :, None, None]
+            h = self.conv2(F.silu(self.norm2(h)))
+            return x + h
+
+    class Attention(nn.Module):
+        def __init__(self, sdpa: bool) -> None:
+            super().__init__()
+            self.sdpa = sdpa
+            self.to_q = nn.Linear(ch, ch, bias=False)
+            self.to_k = nn.Linear(ch, ch, bias=False)
+            self.to_v = nn.Linear(ch, ch, bias=False)
+            self.to_out = nn.Linear(ch, ch)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b, n, _ = x.shape
+            q, k, v = (p(x).view(b, n, heads, ch // heads).transpose(1, 2)
+                       for p in (self.to_q, self.to_k, self.to_v))
+            if self.sdpa:
+                o = F.scaled_dot_product_attention(q, k, v)
+            else:
+                scores = q @ k.transpose(-1, -2) * (ch // heads) ** -0.5
+                o = scores.softmax(dim=-1) @ v
+            return self.to_out(o.transpose(1, 2).reshape(b, n, ch))
+
+    class Transformer2D(nn.Module):
+        def __init__(self, sdpa: bool) -> None:
+            super().__init__()
+            self.norm = nn.GroupNorm(groups, ch, eps=1e-6)
+            self.proj_in = nn.Conv2d(ch, ch, 1)
+            self.norm1 = nn.LayerNorm(ch)
+            self.attn1 = Attention(sdpa)
+            self.norm3 = nn.LayerNorm(ch)
+            self.ff_proj = nn.Linear(ch, 2 * 4 * ch)  # GEGLU
+            self.ff_out = nn.Linear(4 * ch, ch)
+            self.proj_out = nn.Conv2d(ch, ch, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b, c, hgt, wid = x.shape
+            h = self.proj_in(self.norm(x)).flatten(2).transpose(1, 2)
+            h = h + self.attn1(self.norm1(h))
+            hidden, gate = self.ff_proj(self.norm3(h)).chunk(2, dim=-1)
+            h = h + self.ff_out(hidden * F.gelu(gate))
+            h = h.transpose(1, 2).reshape(b, c, hgt, wid)
+            return x + self.proj_out(h)
+
+    class UNetBlock(nn.Module):
+        def __init__(self, sdpa: bool) -> None:
+            super().__init__()
+            self.linear_1 = nn.Linear(ch, 4 * ch)
+            self.linear_2 = nn.Linear(4 * ch, 4 * ch)
+            self.conv_in = nn.Conv2d(_UNET_IN, ch, 3, padding=1)
+            self.resnet = ResnetBlock2D()
+            self.transformer = Transformer2D(sdpa)
+            self.norm_out = nn.GroupNorm(groups, ch, eps=1e-5)
+            self.conv_out = nn.Conv2d(ch, _UNET_IN, 3, padding=1)
+
+        def forward(self, sample: torch.Tensor, timestep: torch.Tensor,
+                    return_dict: bool = False) -> tuple[torch.Tensor]:
+            half = ch // 2  # Timesteps(ch, flip_sin_to_cos=True, downscale_freq_shift=0)
+            freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32)
+                              / half)
+            args = timestep[:, None] * freqs[None, :]
+            t_emb = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+            temb = self.linear_2(F.silu(self.linear_1(t_emb)))
+            h = self.transformer(self.resnet(self.conv_in(sample), temb))
+            return (self.conv_out(F.silu(self.norm_out(h))),)
+
+    return {"UNetBlock": UNetBlock}
 
 
 _SPECS: dict[str, _Spec] = {
@@ -364,6 +491,31 @@ _SPECS: dict[str, _Spec] = {
         "SegFormer segmentation on 64x64 images (efficient attention, bilinear upsampling); "
         "returns logits",
     ),
+    "clip_text": _Spec(
+        _hf("CLIPTextModel", "CLIPTextConfig", vocab_size=_VOCAB, hidden_size=32, **_TINY,
+            max_position_embeddings=_CLIP_SEQ, projection_dim=16, bos_token_id=0,
+            eos_token_id=2, pad_token_id=1),
+        "text", _clip_text_inputs,
+        "CLIP text encoder on 77 tokens (causal + padding mask, quick GELU, pooled at the "
+        "end-of-text token); returns last hidden state and pooled output",
+        picks=(0, 1),
+    ),
+    "llama_32k": _Spec(
+        _hf("LlamaForCausalLM", "LlamaConfig", vocab_size=32000, hidden_size=32, **_TINY,
+            num_key_value_heads=2, max_position_embeddings=64),
+        "text", _text_inputs,
+        "Llama causal LM with the real 32000-word vocabulary (a 32000 x 32 LM head); "
+        "returns logits",
+        extra=(("use_cache", False),),
+    ),
+    "unet_block": _Spec(
+        _unet_block,
+        "denoiser", _denoiser_inputs,
+        "Stable Diffusion UNet stage, hand-written after diffusers (not a dependency): "
+        "sinusoidal timestep embedding + MLP, ResnetBlock2D (GroupNorm, SiLU, conv, time "
+        "embedding) and a Transformer2D block (self-attention, GEGLU) on 4x16x16 latents; "
+        "returns the predicted noise",
+    ),
 }  # fmt: skip
 
 NAMES: tuple[str, ...] = tuple(_SPECS)
@@ -439,11 +591,13 @@ def _calibrate_batchnorm(module: torch.nn.Module, calib_args: tuple) -> None:
 # ----------------------------------------------------------------------------- ONNX
 
 
-def export_model(model: ZooModel, path: str | Path, *, opset: int | None = None) -> Path:
+def export_model(model: ZooModel, path: str | Path, *, opset: int | None = None,
+                 dynamic: bool = False) -> Path:
     """Export a built zoo model to one standalone ``.onnx`` file (weights inside).
 
-    The file appears atomically, so concurrent exports of the same model cannot leave a
-    half-written file behind.
+    ``dynamic``: export for serving, with symbolic batch and sequence axes (and image height
+    and width) through ``dynamic_shapes=`` (``dynamic_axes`` below). The file appears
+    atomically, so concurrent exports of the same model cannot leave a half-written file.
     """
     import torch
 
@@ -453,6 +607,7 @@ def export_model(model: ZooModel, path: str | Path, *, opset: int | None = None)
         program = torch.onnx.export(
             model.module, model.args, kwargs=model.kwargs or None, dynamo=True,
             opset_version=opset or DEFAULT_OPSET, external_data=False, verbose=False,
+            dynamic_shapes=_dynamic_shapes(model) if dynamic else None,
         )  # fmt: skip
     except Exception as e:  # torch raises many types here; all mean "could not export"
         raise CaptureError(f"zoo model {model.name!r}: ONNX export failed: {e}") from e
@@ -467,11 +622,46 @@ def export_model(model: ZooModel, path: str | Path, *, opset: int | None = None)
     return path
 
 
+def dynamic_axes(model: ZooModel) -> dict[str, tuple[int, ...]]:
+    """The axes a serving export makes symbolic, by input name: the batch axis of every
+    input, the sequence axis of token ids and masks, height and width of images."""
+    axes = {}
+    for name, tensor in model.named_inputs().items():
+        if tensor.is_floating_point() and tensor.dim() == 4:
+            axes[name] = (0, 2, 3)
+        elif not tensor.is_floating_point() and tensor.dim() == 2:
+            axes[name] = (0, 1)
+        else:
+            axes[name] = (0,)
+    return axes
+
+
+def _dynamic_shapes(model: ZooModel) -> dict[str, dict[int, Any]]:
+    """``dynamic_shapes=`` for ``dynamic_axes``, as one exports for serving: one ``batch``
+    dimension shared by all inputs, one ``sequence`` shared by ids and mask; image height
+    and width are ``Dim.AUTO``, which stays static where the model specialises it (ViT
+    checks its image size in Python)."""
+    from torch.export import Dim
+
+    batch, sequence = Dim("batch"), Dim("sequence")
+    shapes = {}
+    for name, axes in dynamic_axes(model).items():
+        dims = {0: batch}
+        if len(axes) == 2:
+            dims[1] = sequence
+        elif len(axes) == 3:
+            dims.update({2: Dim.AUTO, 3: Dim.AUTO})
+        shapes[name] = dims
+    return shapes
+
+
 def export_onnx(
-    name: str, path: str | Path, *, seed: int = 0, opset: int | None = None
+    name: str, path: str | Path, *, seed: int = 0, opset: int | None = None,
+    attn_implementation: str = "eager", dynamic: bool = False,
 ) -> Path:
     """Build zoo model ``name`` and export it to ``path`` (a standalone ``.onnx``)."""
-    return export_model(build(name, seed=seed), path, opset=opset)
+    model = build(name, seed=seed, attn_implementation=attn_implementation)
+    return export_model(model, path, opset=opset, dynamic=dynamic)
 
 
 def onnx_inputs(
@@ -535,18 +725,25 @@ def cached_onnx(
     *,
     seed: int = 0,
     opset: int | None = None,
+    attn_implementation: str = "eager",
+    dynamic: bool = False,
 ) -> Path:
     """Path to zoo model ``name`` as ONNX, exporting it on first use only.
 
     Tests that need the same model share one export.  The file name carries the seed, the
-    opset and a hash of this file and the torch/transformers/onnxscript versions, so a stale
-    export is never reused.
+    opset, the attention implementation and ``dynamic`` (where not the defaults) and a hash
+    of this file and the torch/transformers/onnxscript versions, so a stale export is never
+    reused.  ``attn_implementation="sdpa"`` and ``dynamic=True`` give the exports people
+    deploy (transformers' default attention; symbolic batch and sequence axes).
     """
     _spec(name)  # fail on unknown names before touching the file system
     opset = opset or DEFAULT_OPSET
     directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    path = directory / f"{name}-seed{seed}-opset{opset}-{_cache_tag()}.onnx"
+    variant = ("" if attn_implementation == "eager" else f"-{attn_implementation}") + (
+        "-dynamic" if dynamic else "")
+    path = directory / f"{name}{variant}-seed{seed}-opset{opset}-{_cache_tag()}.onnx"
     if not path.is_file():
         log.info("exporting zoo model %s to %s", name, path)
-        export_onnx(name, path, seed=seed, opset=opset)
+        export_onnx(name, path, seed=seed, opset=opset,
+                    attn_implementation=attn_implementation, dynamic=dynamic)
     return path

@@ -23,6 +23,17 @@ import torch
 _PER_GRAPH = frozenset({"_guards_fn"})
 
 
+def _holds_state(module: torch.nn.Module) -> bool:
+    """Whether ``module`` owns parameters or buffers, the only things the two graphs share.
+
+    Code-only submodules (fused regions, guards) belong to the graph that calls them: the two
+    captures number their regions independently, so ``fused_0`` of the eval graph is not the
+    train graph's ``fused_0``, and taking it by name would run the wrong code.
+    """
+    return next(module.parameters(), None) is not None or next(module.buffers(), None) \
+        is not None
+
+
 @contextlib.contextmanager
 def in_mode(model: torch.nn.Module, mode: str) -> Iterator[None]:
     """Put ``model`` in train or eval mode for the block, then restore every submodule's flag."""
@@ -78,7 +89,7 @@ class TrainEvalModule(torch.nn.Module):
 def _share_state(owner: torch.fx.GraphModule, other: torch.fx.GraphModule) -> None:
     """Make ``other`` read ``owner``'s submodules, parameters and buffers (same objects)."""
     for name, module in owner._modules.items():
-        if name not in _PER_GRAPH and name in other._modules:
+        if name not in _PER_GRAPH and name in other._modules and _holds_state(module):
             other._modules[name] = module
     for mine, theirs in ((owner._parameters, other._parameters),
                          (owner._buffers, other._buffers)):

@@ -105,15 +105,21 @@ def propose_regions(gm: torch.fx.GraphModule) -> list[list[Node]]:
     from 0.46-0.50x autocast's to 0.57-0.76x (weight casts and sibling casts stay apart).
     Windows are contiguous in topological order, so a path between two nodes of a window
     never leaves it and a merge that is acyclic inside the window is acyclic in the graph;
-    a region that crosses a window's edge is proposed as two.
+    a window ends before a node that cannot fuse, so a chain is not cut in two (a region
+    that crosses a window's edge through a non-fusible node is proposed as two).
     """
     nodes = list(gm.graph.nodes)
     if len(nodes) <= WINDOW:
         return _partitions(gm, dict(zip(nodes, nodes)))
     regions = []
-    for start in range(0, len(nodes), WINDOW):
-        window, original = _window_module(gm, nodes[start:start + WINDOW])
+    start = 0
+    while start < len(nodes):
+        end = min(start + WINDOW, len(nodes))
+        while end < len(nodes) and is_fusible(nodes[end]):  # do not cut a chain in two
+            end += 1
+        window, original = _window_module(gm, nodes[start:end])
         regions += _partitions(window, original)
+        start = end
     return regions
 
 
@@ -286,6 +292,7 @@ class FusePointwise(PassBase):
         self.declined = 0
 
     def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
+        sink_to_first_use(graph_module)
         proposed = [p for p in propose_regions(graph_module) if len(p) > 1]
         partitions = [p for p in proposed if saved_bytes(p) >= self.min_saved_bytes]
         self.declined = len(proposed) - len(partitions)
@@ -299,12 +306,15 @@ class FusePointwise(PassBase):
                            prefix=_TEMP_PREFIX)
         calls = [n for n in graph_module.graph.nodes
                  if n.op == "call_module" and n.target.startswith(_TEMP_PREFIX)]
+        position = {node: i for i, node in enumerate(graph_module.graph.nodes)}
         for i, node in enumerate(calls):  # numbered in graph order: stable across rewrites
             region = FusedRegion(graph_module.get_submodule(node.target))
             delattr(graph_module, node.target)
             node.target = f"{PREFIX}{i}"
             graph_module.add_submodule(node.target, region)
             node._rename(node.target)
+            _canonical_outputs(node, region.region, position)
+            region.signature = structure(region.region)
             _name_outputs(node)
             self.regions.append(region.signature)
         graph_module.graph.lint()
@@ -316,10 +326,84 @@ class FusePointwise(PassBase):
                 "declined_as_too_small": self.declined}
 
 
+def sink_to_first_use(gm: torch.fx.GraphModule) -> None:
+    """Order the graph so that every fusible node sits just before the first node that is not
+    fusible and needs it (depth first over that node's arguments, left to right).
+
+    The windows of ``propose_regions`` and the partitioner's merges follow graph order, and
+    where earlier passes put pointwise nodes is not the same on every rewrite (a second
+    rewrite re-inlines regions at their calls; lowering puts casts by the GEMMs it lowers).
+    Other nodes keep their relative order, so this order depends on the graph alone and
+    both rewrites fuse the same regions.
+    """
+    graph = gm.graph
+    placed: set[Node] = set()
+    order: list[Node] = []
+
+    def place(node: Node) -> None:
+        stack = [(node, iter(node.all_input_nodes))]
+        while stack:
+            current, inputs = stack[-1]
+            arg = next((a for a in inputs if a not in placed and is_fusible(a)), None)
+            if arg is not None:
+                stack.append((arg, iter(arg.all_input_nodes)))
+                continue
+            stack.pop()
+            if current not in placed:
+                placed.add(current)
+                order.append(current)
+
+    anchors = [n for n in graph.nodes if not is_fusible(n)]
+    for anchor in anchors:
+        place(anchor)
+    if len(order) != len(graph.nodes):  # fusible nodes nothing reads: before the output
+        order[-1:-1] = [n for n in graph.nodes if n not in placed]
+    previous = order[0]
+    for node in order[1:]:
+        if previous.next is not node:
+            previous.append(node)
+        previous = node
+
+
 def _name_key(node: Node) -> tuple[str, int]:
     """``add_10`` after ``add_9``: the same order in every layer of a stack."""
     base, _, number = node.name.rpartition("_")
     return (base, int(number)) if base and number.isdigit() else (node.name, -1)
+
+
+def _canonical_outputs(call: Node, region: torch.fx.GraphModule,
+                       position: dict[Node, int]) -> None:
+    """Number a region's outputs by where the graph first reads them, not by the order
+    ``fuse_by_partitions`` gave them.
+
+    That order is a topological sort of the region seeded by node names, and the names of
+    independent nodes (two weight casts) differ between a first rewrite and the rewrite of
+    its re-inlined output: ``fused_2_out0`` would become ``fused_2_out1`` and the code would
+    change. Where the graph reads an output is the same on both rewrites.
+    """
+    output = next(n for n in region.graph.nodes if n.op == "output")
+    values = output.args[0]
+    if not isinstance(values, (tuple, list)) or len(values) < 2:
+        return
+    getitems = {u.args[1]: u for u in call.users if u.target is operator.getitem}
+
+    def first_read(index: int) -> tuple[int, int]:
+        item = getitems.get(index)
+        if item is None or not item.users:
+            return (len(position), index)
+        user = min(item.users, key=position.__getitem__)
+        reads = torch.fx.node.map_aggregate((user.args, user.kwargs), lambda a: a)
+        flat = [a for a in torch.utils._pytree.tree_leaves(reads) if isinstance(a, Node)]
+        return (position[user], flat.index(item) if item in flat else 0)
+
+    order = sorted(range(len(values)), key=first_read)
+    if order == list(range(len(values))):
+        return
+    output.args = (tuple(values[i] for i in order),)
+    for new, old in enumerate(order):
+        if old in getitems:
+            getitems[old].args = (call, new)
+    region.recompile()
 
 
 def _name_outputs(call: Node) -> None:

@@ -16,7 +16,7 @@ import onnx_ir as ir
 
 from amp_rewrite.core import LowDtype, PadPolicy
 from amp_rewrite.core.runtime import gc_paused, listed
-from amp_rewrite.errors import OutputCheckError
+from amp_rewrite.errors import ModelError, OutputCheckError
 from amp_rewrite.onnx import io, versions
 from amp_rewrite.onnx.passes import MixedPrecisionPass, OnnxOptions
 
@@ -31,12 +31,14 @@ class RewriteResult:
     seconds: float = 0.0
     _proto: onnx.ModelProto | None = None
     _report: dict | None = None
+    opset_conversion: str | None = None  # why and how the opset was converted for bf16
 
     @property
     def report(self) -> dict:
         """The ``--report`` JSON (built on first use: ``rewrite_onnx`` never needs it)."""
         if self._report is None:
-            self._report = {**self.pass_.report(), "seconds": round(self.seconds, 3)}
+            self._report = {**self.pass_.report(), "seconds": round(self.seconds, 3),
+                            "opset_conversion": self.opset_conversion}
         return self._report
 
     def explain(self, node_name: str) -> list[str]:
@@ -77,7 +79,8 @@ def rewrite_onnx_model(source: str | os.PathLike | onnx.ModelProto | bytes | ir.
                        savings_weight: float = 0.0, check: bool = True,
                        clamp_constants: bool = False, opset: int | None = None,
                        pad: bool | PadPolicy = True, fuse: bool = True,
-                       target: str = "ort") -> RewriteResult:
+                       target: str = "ort", low_io: Iterable[str] = (),
+                       keep_opset: bool = False) -> RewriteResult:
     """Load, rewrite and check a model; returns the onnx_ir model and the report.
 
     Constants the low dtype cannot hold keep their readers fp32 (the report lists them
@@ -88,6 +91,11 @@ def rewrite_onnx_model(source: str | os.PathLike | onnx.ModelProto | bytes | ir.
     ``PadPolicy`` pads with that policy instead of the default one.
     ``fuse``/``target``: pattern fusion before the plan (``amp_rewrite.onnx.fusion``), into
     onnxruntime contrib ops (``"ort"``) or standard ONNX ops only (``"onnx"``).
+    ``low_io``: name patterns (fnmatch, e.g. ``"past_key_values.*"``) of graph inputs and
+    outputs made low precision, a KV cache; the others keep their types.
+    bf16 on a model whose opset does not admit it for compute ops (Conv below opset 22)
+    converts the opset first (the report's ``opset_conversion``); ``keep_opset=True``
+    refuses such a model instead (ModelError).
     """
     start = time.perf_counter()
     low = LowDtype.parse(dtype)
@@ -98,14 +106,15 @@ def rewrite_onnx_model(source: str | os.PathLike | onnx.ModelProto | bytes | ir.
             model = _converted(model, opset)
         pinned = _calibrate(source, model, low, calibration_data, calibration_threshold)
         options = _options(low, keep_io_types, rules, keep_fp32, pinned, savings_weight,
-                           clamp_constants, pad, fuse, target)
+                           clamp_constants, pad, fuse, target, low_io)
         pass_ = MixedPrecisionPass(options)
+        model, conversion = _low_dtype_opset(model, low, pass_.rules, opset, keep_opset)
         pass_(model)
         versions.set_lowest_ir_version(model)
         advice = pass_.opset_advice()
         if advice:
             logger.warning("%s", advice)
-        result = RewriteResult(model, pass_, had_external)
+        result = RewriteResult(model, pass_, had_external, opset_conversion=conversion)
         if check:
             _check_output(result, source)
     result.seconds = time.perf_counter() - start
@@ -113,12 +122,18 @@ def rewrite_onnx_model(source: str | os.PathLike | onnx.ModelProto | bytes | ir.
 
 
 def _options(low: LowDtype, keep_io_types: bool, rules, keep_fp32, pinned, savings_weight,
-             clamp_constants: bool, pad: bool | PadPolicy, fuse: bool, target: str) -> OnnxOptions:
+             clamp_constants: bool, pad: bool | PadPolicy, fuse: bool, target: str,
+             low_io: Iterable[str] = ()) -> OnnxOptions:
     return OnnxOptions(low, keep_io_types, tuple(map(str, listed(rules))),
                        tuple(listed(keep_fp32)), pinned, savings_weight,
                        clamp_constants=clamp_constants, pad=bool(pad),
                        pad_policy=pad if isinstance(pad, PadPolicy) else None,
-                       fuse=fuse, target=target)
+                       fuse=fuse, target=target, low_io=tuple(_patterns(low_io)))
+
+
+def _patterns(patterns: Iterable[str] | str) -> list[str]:
+    """Patterns from a list whose entries may be comma-separated (``"a.*,b.*"``)."""
+    return [p.strip() for entry in listed(patterns) for p in str(entry).split(",") if p.strip()]
 
 
 def rewrite_onnx(model: str | os.PathLike | onnx.ModelProto | bytes,
@@ -150,9 +165,13 @@ def _rewrite_flat(source: onnx.ModelProto, **options) -> onnx.ModelProto | None:
     bound = inspect.signature(rewrite_onnx_model).bind(source, **options)
     bound.apply_defaults()
     a = bound.arguments
-    if a["calibration_data"] is not None or a["opset"] is not None:
+    if a["calibration_data"] is not None or a["opset"] is not None or a["low_io"]:
         return None
     low = LowDtype.parse(a["dtype"])
+    if low is LowDtype.BFLOAT16 and versions.low_dtype_opset(
+            versions.ai_onnx_opset({o.domain: o.version for o in source.opset_import}) or 0,
+            versions.proto_op_types(source)):
+        return None  # an opset conversion (or its refusal) may be due: the onnx_ir path
     onnx_options = _options(low, a["keep_io_types"], a["rules"], a["keep_fp32"], {},
                             a["savings_weight"], a["clamp_constants"], a["pad"], a["fuse"],
                             a["target"])
@@ -160,6 +179,35 @@ def _rewrite_flat(source: onnx.ModelProto, **options) -> onnx.ModelProto | None:
     if proto is not None and a["check"]:
         _check_proto(proto, source)
     return proto
+
+
+def _low_dtype_opset(model: ir.Model, low: LowDtype, rules, opset: int | None,
+                     keep_opset: bool) -> tuple[ir.Model, str | None]:
+    """bf16 does what the user asked: (the model at the opset where its compute ops admit
+    the low dtype, a note saying so) or (the model, None) where nothing is to convert.
+    An explicit ``opset`` wins; ``keep_opset`` refuses instead (ModelError); a conversion
+    the version converter cannot do leaves the model as it is (with a warning)."""
+    from amp_rewrite.core import OpClass
+
+    current = versions.ai_onnx_opset(model.opset_imports)
+    if low is not LowDtype.BFLOAT16 or opset is not None or current is None:
+        return model, None
+    need = versions.low_dtype_opset(
+        current, versions.default_domain_op_types(model), f"tensor({low.value})",
+        compute=lambda op: rules.class_of(op) in (OpClass.ALLOW, OpClass.GRAY))
+    if need is None:
+        return model, None
+    target, ops = need
+    why = f"{low.value} needs opset {target} for {', '.join(ops)}"
+    if keep_opset:
+        raise ModelError(f"--dtype bf16: the model is at opset {current} and {why}; drop "
+                         "--keep-opset to convert it, or use --dtype fp16")
+    try:
+        converted = _converted(model, target)
+    except ModelError as e:
+        logger.warning("%s; most compute stays fp32", e)
+        return model, None
+    return converted, f"converted opset {current} -> {target} for {low.value} ({why})"
 
 
 def _converted(model: ir.Model, opset: int) -> ir.Model:

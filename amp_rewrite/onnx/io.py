@@ -40,6 +40,24 @@ FLAT = "amp_rewrite.flat"  # model.meta key: no node held a graph attribute at l
 TYPED = "amp_rewrite.typed"
 
 
+
+class _OneLine(logging.Filter):
+    """onnx_ir's shape inference logs its failures at WARNING with the traceback (exc_info),
+    which the CLI would print; ours ignore such a failure (shapes stay unknown), so the
+    record becomes one INFO line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info:
+            error = record.exc_info[1]
+            record.msg = f"{record.getMessage()} ({type(error).__name__}: " \
+                         f"{str(error).strip().splitlines()[0] if str(error).strip() else ''})"
+            record.args, record.exc_info, record.exc_text = (), None, None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+logging.getLogger("onnx_ir.passes.common.shape_inference").addFilter(_OneLine())
+
 def model_graphs(model: ir.Model) -> list[ir.Graph]:
     """The model's graph and subgraphs: ``walk_graphs``, skipped for a model that had no
     subgraph at load (``FLAT``; no pass of ours creates one). Each walk costs ~0.035 s at 50k
@@ -485,7 +503,13 @@ def _checked_or_repaired(proto: onnx.ModelProto, label: str,
 
         repaired = repair.fill_output_types(proto)
         if repaired is None:
-            raise
+            missing = repair.first_untyped_output(proto)
+            if missing is None:
+                raise
+            raise ModelError(f"{label}: invalid ONNX model: graph output {missing!r} has no "
+                             "element type or shape field and shape inference cannot infer "
+                             "them; declare its type (onnx.helper.make_tensor_value_info)"
+                             ) from None
     _check_input(repaired, label)
     return repaired
 

@@ -46,6 +46,8 @@ class OnnxOptions:
     pad_policy: PadPolicy | None = None  # None: core.padding.PadPolicy()
     fuse: bool = True  # pattern fusion before the plan (amp_rewrite.onnx.fusion)
     target: str = "ort"  # "ort": contrib ops allowed; "onnx": standard ops only
+    # fnmatch patterns of main-graph inputs/outputs made low (a KV cache); others keep types
+    low_io: tuple[str, ...] = ()
 
 
 class MixedPrecisionPass(ir.passes.InPlacePass):
@@ -61,6 +63,7 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
         self.stats: ApplyStats | None = None
         self.pad_stats: PadStats | None = None
         self.fusion: FusionPass | None = None
+        self.low_io: dict = {}
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         if self.options.fuse:  # DESIGN §4: fuse first, then plan
@@ -72,7 +75,10 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
             infer_missing_types(model, graphs)
         self.view = build_view(model, self.options.dtype,
                                keep_io_types=self.options.keep_io_types, graphs=graphs,
-                               clamp_constants=self.options.clamp_constants)
+                               clamp_constants=self.options.clamp_constants,
+                               low_io=self.options.low_io)
+        if self.options.low_io:
+            self.low_io = low_io_report(model, self.options.low_io)
         self.plan = plan_precision(self.view.graph, self.rules,
                                    keep_fp32=self.options.keep_fp32, pins=self._pins(),
                                    savings_weight=self.options.savings_weight,
@@ -137,6 +143,7 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
             "inserted_casts": s.inserted_casts,
             "opset_advice": self.opset_advice(),
             "padding": pad_report(self.pad_stats) if self.options.pad else {"enabled": False},
+            "low_io": self.low_io,
             "fused": dict(self.fusion.fused) if self.fusion else {},
             "fusion_rules": dict(self.fusion.rule_hits) if self.fusion else {},
             "modified": self.modified,  # precision/padding; fusion is reported in "fused"
@@ -193,6 +200,45 @@ def _warn_unmatched_patterns(patterns: tuple[str, ...], view: OnnxView) -> None:
         if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
             logger.warning("--keep-fp32 %r matches no node%s", pattern,
                            close_match(pattern, names))
+
+
+def low_io_report(model: ir.Model, patterns: tuple[str, ...]) -> dict:
+    """The float32 graph inputs/outputs ``patterns`` make low, and the bytes that saves per
+    run: ``{"values": [...], "bytes_saved": {"2048*past": 2, ...}}`` keyed by the product
+    of the symbolic dims (``"1"`` for static values), as a sum of terms."""
+    terms: dict[str, int] = {}
+    names = []
+    for v in [*model.graph.inputs, *model.graph.outputs]:
+        if v.dtype != ir.DataType.FLOAT or v.shape is None or not v.name:
+            continue
+        if not any(fnmatch.fnmatchcase(v.name, p) for p in patterns):
+            continue
+        names.append(v.name)
+        static, symbolic = 2, []  # fp32 -> 16-bit: two bytes per element saved
+        for d in v.shape.dims:
+            if isinstance(d, int):
+                static *= d
+            else:
+                symbolic.append(f"({d})" if " " in str(d) else str(d))
+        key = "*".join(sorted(symbolic)) or "1"
+        terms[key] = terms.get(key, 0) + static
+    for pattern in patterns:
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+            logger.warning("--low-io %r matches no float32 graph input or output", pattern)
+    return {"values": names, "bytes_saved": terms}
+
+
+def format_bytes_saved(terms: Mapping[str, int], **dims: int) -> str:
+    """``low_io_report``'s bytes as text, evaluated where ``dims`` give every symbol."""
+    text = " + ".join(f"{c}" if k == "1" else f"{c}*{k}" for k, c in terms.items())
+    if dims:
+        try:
+            total = sum(c * eval(k, {"__builtins__": {}}, dict(dims))  # noqa: S307
+                        for k, c in terms.items())
+            return f"{text} = {int(total)} B"
+        except (NameError, SyntaxError, TypeError):
+            pass
+    return f"{text} B"
 
 
 @functools.cache

@@ -9,6 +9,7 @@ import ctypes
 import functools
 import logging
 import math
+import re
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -100,7 +101,9 @@ def _check_feed(inp: onnx.ValueInfoProto, array: np.ndarray) -> None:
                          f"{want}; convert it (array.astype(np.{want}))")
     if not t.HasField("shape"):
         return
-    dims = [d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim]
+    # symbolic, unset and negative (-1: "any", as some exporters write) dims take any size
+    dims = [d.dim_value if d.HasField("dim_value") and d.dim_value >= 0 else None
+            for d in t.shape.dim]
     if array.ndim != len(dims) or any(d is not None and d != n for d, n in zip(dims, array.shape)):
         shown = ["?" if d is None else d for d in dims]
         raise UsageError(f"input data {inp.name!r} has shape {list(array.shape)}, the model's "
@@ -222,6 +225,26 @@ def run(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dict[str, np
         logger.info("onnxruntime lacks a kernel (%s); using onnx.reference", str(e)[:120])
         return reference_run(model, feeds)
     return dict(zip(names, sess.run(None, dict(feeds))))
+
+
+def runtime_note(model: onnx.ModelProto, dtype: LowDtype) -> str | None:
+    """Where a bf16 output runs, when the installed onnxruntime cannot load it (its CPU
+    provider has no bf16 kernel for most ops: Gemm, Where, Add, Expand, ...); else None."""
+    if dtype is not LowDtype.BFLOAT16:
+        return None
+    import onnxruntime as ort
+
+    try:
+        session(model)
+    except Exception as e:  # noqa: BLE001 - onnxruntime's errors have no common base
+        if "NOT_IMPLEMENTED" not in str(e):
+            return None  # another failure: --validate reports it as such
+        missing = re.search(r"implementation for (\w+\(\d+\))", str(e))
+        op = f" ({missing.group(1)} has none)" if missing else ""
+        return (f"bfloat16 targets GPU providers (CUDA, TensorRT): onnxruntime "
+                f"{ort.__version__} here ({', '.join(providers())}) lacks bf16 kernels{op}; "
+                "--validate runs the output in onnx.reference")
+    return None
 
 
 def _with_text_io_names(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -128,3 +128,51 @@ def convert_opset(model: ir.Model, target: int) -> ir.Model:
                          "convert it yourself or leave --opset out") from None
     logger.info("converted opset %d -> %d", current, target)
     return ir.from_proto(converted)
+
+
+def _admits(op_type: str, opset: int, low_type: str) -> bool | None:
+    """Whether ai.onnx ``op_type`` at ``opset`` admits ``low_type`` ("tensor(bfloat16)") for
+    its first input's type variable; None for ops without such a schema."""
+    try:
+        schema = onnx.defs.get_schema(op_type, opset, "")
+    except onnx.defs.SchemaError:
+        return None
+    if not schema.inputs:
+        return None
+    allowed = {tc.type_param_str: tc.allowed_type_strs for tc in schema.type_constraints}
+    types = allowed.get(schema.inputs[0].type_str)
+    if types is None or not any(t.startswith("tensor(float") for t in types):
+        return None  # not a float op (Shape, Range's ints, ...)
+    return low_type in types
+
+
+def low_dtype_opset(opset: int, op_types: set[str], low_type: str = "tensor(bfloat16)",
+                    compute: Callable[[str], bool] = lambda op: True,
+                    ) -> tuple[int, list[str]] | None:
+    """(the opset to convert to, the ops that need it) when float ``compute`` ops of the
+    model do not admit ``low_type`` at ai.onnx ``opset`` but do at a later one this onnx
+    knows (bf16: Conv, BatchNormalization, pooling, LSTM, ... gained it in opset 22)."""
+    latest = onnx.defs.onnx_opset_version()
+    needed, target = [], opset
+    for op in sorted(op_types):
+        if not compute(op) or _admits(op, opset, low_type) is not False:
+            continue
+        first = next((v for v in range(opset + 1, latest + 1) if _admits(op, v, low_type)), None)
+        if first is not None:
+            needed.append(op)
+            target = max(target, first)
+    return (target, needed) if needed else None
+
+
+def default_domain_op_types(model: ir.Model) -> set[str]:
+    """The ai.onnx op types of the model's graphs (subgraphs included)."""
+    return {n.op_type for g in model_graphs(model) for n in g if n.domain in ("", "ai.onnx")}
+
+
+def proto_op_types(proto: onnx.ModelProto) -> set[str]:
+    """``default_domain_op_types`` of a ModelProto (its main graph: flat models only)."""
+    return {n.op_type for n in proto.graph.node if n.domain in ("", "ai.onnx")}
+
+
+def ai_onnx_opset(opset_imports: Mapping[str, int]) -> int | None:
+    return opset_imports.get("", opset_imports.get("ai.onnx"))

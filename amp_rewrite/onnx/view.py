@@ -8,6 +8,7 @@ once, in the outer graph, next to the producer.
 """
 from __future__ import annotations
 
+import fnmatch
 import math
 import sys
 from collections.abc import Hashable
@@ -68,11 +69,13 @@ def value_nbytes(value: ir.Value, inferred: dict[str, int | None]) -> int | None
 
 
 def build_view(model: ir.Model, low: LowDtype, *, keep_io_types: bool = True,
-               graphs: list[ir.Graph] | None = None, clamp_constants: bool = False) -> OnnxView:
+               graphs: list[ir.Graph] | None = None, clamp_constants: bool = False,
+               low_io: tuple[str, ...] = ()) -> OnnxView:
     """The precision view of ``model``; ``graphs``: ``walk_graphs(model.graph)`` if given.
 
     ``clamp_constants``: constants beyond the low dtype's range may be stored clamped (the
     old behaviour, on request only); by default they stay fp32 and so do their readers.
+    ``low_io``: name patterns (fnmatch) of main-graph inputs/outputs fixed low (a KV cache).
     """
     graphs = list(walk_graphs(model.graph)) if graphs is None else graphs
     view = OnnxView(PrecisionGraph(), low, graphs, clamp_constants=clamp_constants)
@@ -87,11 +90,16 @@ def build_view(model: ir.Model, low: LowDtype, *, keep_io_types: bool = True,
         _add_values(view, g, low_ir, inferred, sizes)
     for g in graphs:
         is_main = g is model.graph
-        _add_sources(view, g, low_ir, is_main, keep_io_types)
+        _add_sources(view, g, low_ir, is_main, keep_io_types, low_io)
         for node in g:
             _add_node(view, node, node_opset(node, opsets), low_ir)
-        _add_sinks(view, g, low_ir, is_main, keep_io_types)
+        _add_sinks(view, g, low_ir, is_main, keep_io_types, low_io)
     return view
+
+
+def _low_io_pattern(v: ir.Value, patterns: tuple[str, ...]) -> str | None:
+    """The first of ``patterns`` (fnmatch) that a main-graph input/output's name matches."""
+    return next((p for p in patterns if v.name and fnmatch.fnmatchcase(v.name, p)), None)
 
 
 def _add_values(view: OnnxView, g: ir.Graph, low_ir: ir.DataType,
@@ -130,10 +138,13 @@ def _current(value: ir.Value, low_ir: ir.DataType) -> Precision:
 
 
 def _add_sources(view: OnnxView, g: ir.Graph, low_ir: ir.DataType, is_main: bool,
-                 keep_io: bool) -> None:
+                 keep_io: bool, low_io: tuple[str, ...] = ()) -> None:
     tied = id(g) in view.tied_bodies
     for v in g.inputs if not tied else ():
         if is_candidate(v, low_ir):
+            if is_main and (pattern := _low_io_pattern(v, low_io)):
+                _source(view, g, v, None, Precision.LOW, f"graph input low by low_io {pattern!r}")
+                continue
             keep = not is_main or keep_io or v.dtype == low_ir
             reason = ("graph input keeps its dtype (keep_io_types)" if is_main
                       else "subgraph input keeps its dtype")
@@ -156,7 +167,7 @@ def _source(view, g, v, node, fixed, reason) -> None:
 
 
 def _add_sinks(view: OnnxView, g: ir.Graph, low_ir: ir.DataType, is_main: bool,
-               keep_io: bool) -> None:
+               keep_io: bool, low_io: tuple[str, ...] = ()) -> None:
     if id(g) in view.tied_bodies:
         return
     for i, v in enumerate(g.outputs):
@@ -166,6 +177,8 @@ def _add_sinks(view: OnnxView, g: ir.Graph, low_ir: ir.DataType, is_main: bool,
         view.sinks[key] = (g, i)
         fixed = _current(v, low_ir) if keep_io or not is_main else None
         reason = "graph output keeps its dtype" if fixed else ""
+        if is_main and (pattern := _low_io_pattern(v, low_io)):
+            fixed, reason = Precision.LOW, f"graph output low by low_io {pattern!r}"
         view.graph.add_sink(key, v, name=f"output:{v.name}", fixed=fixed, reason=reason)
 
 

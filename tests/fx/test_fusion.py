@@ -408,3 +408,21 @@ def test_cuda_declines_regions_too_small_to_pay_for_their_host_time():
     assert on_cuda.amp_report["fused"]["regions"] == 0  # a few KB each, far below 210 MB
     assert on_cuda.amp_report["fused"]["declined_as_too_small"] > 0
     torch.testing.assert_close(on_cuda(*args), on_cpu(*args), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("window", [7, 9, 16])
+def test_a_second_rewrite_gives_the_same_code_where_gemms_are_emulated(monkeypatch, window):
+    """On a CPU without native bf16 GEMMs (emulated GEMMs add casts by each GEMM) the region
+    members and output numbering must not depend on node names or on where the first rewrite
+    put its nodes (issue 26: ``fused_2_out1`` where the first rewrite said ``fused_2_out0``)."""
+    import amp_rewrite.fx as fx
+
+    monkeypatch.setattr(fx, "native_low_gemm", lambda dtype, device: device != "cpu")
+    monkeypatch.setattr(pointwise, "WINDOW", window)
+    model, args = _stack()
+    first = amp_rewrite.rewrite(model, args, dtype=torch.bfloat16)
+    assert first.amp_report["emulated_gemms"]["enabled"]
+    again = amp_rewrite.rewrite(first, args, dtype=torch.bfloat16)
+    assert again.code == first.code
+    with torch.no_grad():
+        torch.testing.assert_close(again(*args), first(*args), rtol=0, atol=0)

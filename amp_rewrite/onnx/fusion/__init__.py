@@ -95,6 +95,7 @@ def _ort_steps() -> list[FusionStep]:
     )
     from onnxscript.rewriter.rules.fusion import _layer_norm
 
+    from amp_rewrite.onnx.fusion import canonical
     from amp_rewrite.onnx.fusion import rules as own
 
     return [
@@ -112,6 +113,8 @@ def _ort_steps() -> list[FusionStep]:
                    lambda: skip_normalization.skip_rms_normalization_ruleset),
         FusionStep("ort_fusions.bias_gelu", _ops("Gelu"), lambda: bias_gelu.bias_gelu_rules),
         FusionStep("amp_rewrite.fast_gelu_bias", _ops("FastGelu"), own.fast_gelu_bias_rules),
+        FusionStep("amp_rewrite.key_transpose", _ops("Transpose"), canonical.key_transpose_rules,
+                   rounds=1, wanted=_softmax_feeds_matmul),
         # SDPA is an intermediate function call; the next step turns it into
         # MultiHeadAttention and _finish inlines any call it could not convert.
         FusionStep("ort_fusions.sdpa", _ops("Softmax"),
@@ -127,6 +130,7 @@ def _onnx_steps() -> list[FusionStep]:
     from onnxscript.rewriter.ort_fusions import sdpa
     from onnxscript.rewriter.rules.fusion import _layer_norm, _rms_normalization
 
+    from amp_rewrite.onnx.fusion import canonical
     from amp_rewrite.onnx.fusion import rules as own
 
     return [
@@ -136,6 +140,8 @@ def _onnx_steps() -> list[FusionStep]:
                    lambda: _layer_norm.layer_normalization_ruleset, min_opset=17),
         FusionStep("rules.fusion.rms_normalization", _ops("ReduceMean"),
                    lambda: _rms_normalization.rms_normalization_ruleset, min_opset=23),
+        FusionStep("amp_rewrite.key_transpose", _ops("Transpose"), canonical.key_transpose_rules,
+                   min_opset=23, rounds=1, wanted=_softmax_feeds_matmul),
         FusionStep("ort_fusions.sdpa", _ops("Softmax"),
                    lambda: pattern.RewriteRuleSet([sdpa.SDPA.rule(as_function=True)]),
                    min_opset=23, rounds=1, wanted=_softmax_feeds_matmul),
@@ -198,14 +204,22 @@ class FusionPass(ir.passes.InPlacePass):
 
     def _apply(self, model: ir.Model, step: FusionStep, before_nodes: list[ir.Node]) -> int:
         before = set(map(id, before_nodes))
-        rules = _root_filtered(step.make_rules())
+        rules = _root_filtered(step.make_rules(), step.name)
         total = 0
-        for _ in range(step.rounds):
-            count = rules.apply_to_model(model)
-            total += count
-            if not count:
-                break
-        _forget_matches(rules)
+        try:
+            for _ in range(step.rounds):
+                count = rules.apply_to_model(model)
+                total += count
+                if not count:
+                    break
+        except Exception as e:  # noqa: BLE001 - a rule that fails while rewriting declines
+            _decline_once(step.name, e)
+            broken = _dangling_input(model)
+            if broken is not None:  # a rewrite stopped half way: not recoverable here
+                raise FusionError(f"fusion rule {step.name} failed half way ({e}) and left "
+                                  f"{broken}; rerun with --no-fuse") from e
+        finally:
+            _forget_matches(rules)
         if not total:
             return 0
         for node in _all_nodes(model):
@@ -241,13 +255,36 @@ def _finish(model: ir.Model) -> None:
             _type_outputs(node, model)
 
 
+class FusionError(RuntimeError):
+    """A fusion rule failed in the middle of a rewrite and left the graph inconsistent."""
+
+
+_DECLINED: set[tuple[str, str]] = set()  # (rule, reason) pairs already warned about
+
+
+def _decline_once(rule: str, error: BaseException) -> None:
+    """One WARNING per rule and kind of failure per process: the rule declines and the
+    rewrite goes on with the graph as that rule found it."""
+    reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+    if (rule, type(error).__name__) in _DECLINED:
+        logger.debug("fusion rule %s declined: %s", rule, reason)
+        return
+    _DECLINED.add((rule, type(error).__name__))
+    logger.warning("fusion rule %s cannot apply here and was skipped (%s)", rule, reason)
+
+
 class _RootFiltered:
     """A rewrite rule that declines a node before matching when the node's op type is not
     that of the pattern's root: onnxscript tries every rule on every node, ~20 µs a try,
-    which alone would cost a minute on a 50k-node transformer."""
+    which alone would cost a minute on a 50k-node transformer.
 
-    def __init__(self, rule) -> None:
+    It also declines, instead of raising, wherever the rule fails before the graph is
+    touched: an exception while matching, checking or building the replacement, and a match
+    that ``as_function`` could not extract (see ``_unextractable``)."""
+
+    def __init__(self, rule, step: str) -> None:
         self._rule = rule
+        self._step = step
         roots = rule._target_pattern.output_nodes
         ops = [n.op_identifier() for n in roots]
         self._root_ops = {op[1] for op in ops} if len(roots) == 1 and None not in ops else None
@@ -255,16 +292,60 @@ class _RootFiltered:
     def try_rewrite(self, model, graph_or_function, node, **kwargs):
         if self._root_ops is not None and node.op_type not in self._root_ops:
             return None
-        return self._rule.try_rewrite(model, graph_or_function, node, **kwargs)
+        try:
+            delta = self._rule.try_rewrite(model, graph_or_function, node, **kwargs)
+        except Exception as e:  # noqa: BLE001 - onnxscript rules raise many types
+            _decline_once(self._rule.name or self._step, e)
+            return None
+        if delta and getattr(self._rule, "as_function", False):
+            free = _unextractable(delta)
+            if free is not None:
+                _decline_once(self._rule.name or self._step, ValueError(
+                    f"the match reads {free}, which is computed outside it"))
+                return None
+        return delta
 
     def __getattr__(self, name: str):
         return getattr(self._rule, name)
 
 
-def _root_filtered(rules):
+def _unextractable(delta) -> ir.Value | None:
+    """A value the matched nodes read that ``as_function`` cannot carry into the function:
+    not made by a matched node, not a replacement input, not a constant (onnxscript would
+    raise "not found in value_map" after the rewrite began). None if there is none."""
+    if len(delta.new_nodes) != 1:
+        return None  # onnxscript refuses these itself, before changing anything
+    known = {id(v) for v in delta.new_nodes[0].inputs if v is not None}
+    known.update(id(v) for n in delta.match.nodes for v in n.outputs)
+    for node in delta.match.nodes:
+        for value in node.inputs:
+            if value is not None and id(value) not in known and value.const_value is None:
+                return value
+    return None
+
+
+def _dangling_input(model: ir.Model) -> str | None:
+    """A description of the first node input that no node, graph input or initializer of
+    the model provides (a half-applied rewrite), else None. Subgraphs read outer values, so
+    all graphs provide for all: an O(nodes) check that misses only cross-branch reads."""
+    graphs = io.model_graphs(model)
+    provided = set()
+    for graph in graphs:
+        provided.update(id(v) for v in graph.inputs)
+        provided.update(id(v) for v in graph.initializers.values())
+        provided.update(id(v) for n in graph for v in n.outputs)
+    for graph in graphs:
+        for node in graph:
+            for value in node.inputs:
+                if value is not None and id(value) not in provided:
+                    return f"{node.op_type} node {node.name!r} reading {value.name!r}"
+    return None
+
+
+def _root_filtered(rules, step: str):
     from onnxscript.rewriter import pattern
 
-    return pattern.RewriteRuleSet([_RootFiltered(r) for r in rules.rules])
+    return pattern.RewriteRuleSet([_RootFiltered(r, step) for r in rules.rules])
 
 
 def _forget_matches(rules) -> None:

@@ -1,0 +1,21 @@
+"""``python -m amp_rewrite.bench <subcommand>``: the one entry point of the benchmarks."""
+from __future__ import annotations
+
+import sys
+
+SUBCOMMANDS = {"decoders": "amp_rewrite.bench.deployed"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import importlib
+
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in SUBCOMMANDS:
+        print(f"usage: python -m amp_rewrite.bench {{{','.join(SUBCOMMANDS)}}} ...",
+              file=sys.stderr)
+        return 2
+    return importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
