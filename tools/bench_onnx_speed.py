@@ -13,8 +13,7 @@ Sizes are node counts (1k, 10k, 50k by default).
 Every converter runs in a worker process of its own (started and warmed up on a tiny model
 before timing), so a run that exceeds ``--timeout`` is killed and reported as ">timeout";
 larger models of that variant are then skipped for it. The time is measured inside the
-worker around the call that goes from ModelProto to ModelProto (amp_rewrite: ``rewrite_onnx``,
-which checks the input and rewrites these chains on the proto itself, ``onnx/flat.py``). Repeats run round-robin over the converters,
+worker around the call that goes from ModelProto to ModelProto (amp_rewrite: ``rewrite_onnx``). Repeats run round-robin over the converters,
 so a drift in the machine's speed hits all of them alike. Model build time is reported apart.
 Each round starts with a fixed pure-Python loop (``host_probe``), whose times are printed and
 saved, so runs on different days (or a slowdown within a run) can be told apart.

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 import os
 import time
@@ -138,46 +137,16 @@ def _patterns(patterns: Iterable[str] | str) -> list[str]:
 
 def rewrite_onnx(model: str | os.PathLike | onnx.ModelProto | bytes,
                  **options) -> onnx.ModelProto:
-    """Rewrite an FP32 ONNX model to mixed precision; ``options`` as ``rewrite_onnx_model``.
-
-    A flat model on which fusion and padding find nothing is rewritten on its ModelProto
-    (``amp_rewrite.onnx.flat``: the same output, without the onnx_ir round trip)."""
+    """Rewrite an FP32 ONNX model to mixed precision; ``options`` as ``rewrite_onnx_model``."""
     with gc_paused():  # one pause around both: re-enabling triggers a full collection
         if isinstance(model, bytes):
             model = io._parse_bytes(model)
-        proto = _rewrite_flat(model, **options) if isinstance(model, onnx.ModelProto) else None
-        if proto is not None:
-            return proto
         result = rewrite_onnx_model(model, **options)
         proto = result.proto()
         # The IR never leaves this function: free it before the collector resumes, which
         # would otherwise scan it (~1M objects at 50k nodes) once more.
         io.release(result.model)
         del result
-    return proto
-
-
-def _rewrite_flat(source: onnx.ModelProto, **options) -> onnx.ModelProto | None:
-    """``flat.rewrite`` with ``rewrite_onnx_model``'s arguments (and defaults), checked as
-    that checks; None where the onnx_ir path must run (calibration, an opset conversion, ...)."""
-    from amp_rewrite.onnx import flat
-
-    bound = inspect.signature(rewrite_onnx_model).bind(source, **options)
-    bound.apply_defaults()
-    a = bound.arguments
-    if a["calibration_data"] is not None or a["opset"] is not None or a["low_io"]:
-        return None
-    low = LowDtype.parse(a["dtype"])
-    if low is LowDtype.BFLOAT16 and versions.low_dtype_opset(
-            versions.ai_onnx_opset({o.domain: o.version for o in source.opset_import}) or 0,
-            versions.proto_op_types(source)):
-        return None  # an opset conversion (or its refusal) may be due: the onnx_ir path
-    onnx_options = _options(low, a["keep_io_types"], a["rules"], a["keep_fp32"], {},
-                            a["savings_weight"], a["clamp_constants"], a["pad"], a["fuse"],
-                            a["target"])
-    proto = flat.rewrite(source, onnx_options, MixedPrecisionPass(onnx_options).rules)
-    if proto is not None and a["check"]:
-        _check_proto(proto, source)
     return proto
 
 

@@ -169,10 +169,5 @@ def default_domain_op_types(model: ir.Model) -> set[str]:
     return {n.op_type for g in model_graphs(model) for n in g if n.domain in ("", "ai.onnx")}
 
 
-def proto_op_types(proto: onnx.ModelProto) -> set[str]:
-    """``default_domain_op_types`` of a ModelProto (its main graph: flat models only)."""
-    return {n.op_type for n in proto.graph.node if n.domain in ("", "ai.onnx")}
-
-
 def ai_onnx_opset(opset_imports: Mapping[str, int]) -> int | None:
     return opset_imports.get("", opset_imports.get("ai.onnx"))
