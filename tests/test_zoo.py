@@ -2,7 +2,7 @@
 
 Oracles: output shapes derived by hand from each tiny config (not from the code), the eager
 FP32 forward for torch.export and onnxruntime.  Every model's ONNX agreement is checked by
-tools/export_zoo_onnx.py; here a subset that covers every wrapper kind keeps this file fast.
+``python -m amp_rewrite.bench zoo``; here a subset that covers every wrapper kind keeps this file fast.
 """
 from __future__ import annotations
 

@@ -3,7 +3,18 @@ from __future__ import annotations
 
 import sys
 
-SUBCOMMANDS = {"decoders": "amp_rewrite.bench.deployed"}
+SUBCOMMANDS = {
+    "speed": "amp_rewrite.bench.speed",
+    "compare": "amp_rewrite.bench.compare",
+    "fx": "amp_rewrite.bench.fx_bench",
+    "gpu": "amp_rewrite.bench.gpu",
+    "padding": "amp_rewrite.bench.padding",
+    "mincut": "amp_rewrite.bench.mincut",
+    "paper": "amp_rewrite.bench.paper",
+    "zoo": "amp_rewrite.bench.zoo_export",
+    "fuzz": "amp_rewrite.bench.fuzz_cli",
+    "decoders": "amp_rewrite.bench.deployed",
+}
 
 
 def main(argv: list[str] | None = None) -> int:

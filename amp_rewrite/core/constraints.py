@@ -4,13 +4,16 @@ Order of precedence: the adapter's own fixes (kept I/O types, ports the schema d
 low, dtypes already low in the model), then user pins (``keep_fp32`` patterns), then the rule
 classes (allow ⇒ low; deny and unlisted ⇒ high), then TF AMP's deny propagation: a gray or clear
 group on a path from a deny group to a gray or deny group through gray/clear groups runs high,
-so a value that came out of ``exp`` is not squeezed into fp16 by a following ``add``.
+so a value that came out of ``exp`` is not squeezed into fp16 by a following ``add``. A deny
+group whose op has a bounded output (the rules' ``[bounded_output]``: ``Cos``, ``Sin``) needs
+fp32 for its input only: it runs high but starts no propagation, so the min cut decides where
+its output is cast. It still ends a path (the ops feeding it from another deny op run high).
 """
 from __future__ import annotations
 
 import fnmatch
 from collections import deque
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Collection, Hashable, Iterable, Mapping
 from typing import NamedTuple
 
 from amp_rewrite.core.graph import PrecisionGraph
@@ -70,15 +73,24 @@ def _class_fix(group, rules: RuleSet, op_class: OpClass) -> Fix | None:
     return None
 
 
+def bounded_groups(graph: PrecisionGraph, rules: RuleSet) -> set[Hashable]:
+    """Groups whose op's output is bounded (``RuleSet.has_bounded_output``)."""
+    return {g.key for g in graph.groups() if rules.has_bounded_output(g.op_key)}
+
+
 def deny_propagation(graph: PrecisionGraph, classes: dict[Hashable, OpClass],
-                     fixes: dict[Hashable, Fix]) -> dict[Hashable, Fix]:
-    """Free gray/clear groups on a deny → (gray|clear)* → (gray|deny) path, fixed high."""
+                     fixes: dict[Hashable, Fix],
+                     bounded: Collection[Hashable] = ()) -> dict[Hashable, Fix]:
+    """Free gray/clear groups on a deny → (gray|clear)* → (gray|deny) path, fixed high.
+
+    ``bounded``: groups whose output is bounded; as deny they end paths but start none.
+    """
     is_deny = {k for k, f in fixes.items()
                if f.precision is Precision.HIGH and classes[k] in (OpClass.DENY, OpClass.UNLISTED)}
     passable = {OpClass.GRAY, OpClass.CLEAR}
     # Forward: free gray/clear groups reachable from a deny group, with the first cause seen.
     reached: dict[Hashable, tuple[Hashable, Hashable]] = {}  # group -> (cause, deny origin)
-    queue = deque((k, k) for k in is_deny)
+    queue = deque((k, k) for k in is_deny if k not in bounded)
     while queue:
         key, origin = queue.popleft()
         for nxt in graph.successor_groups(key):

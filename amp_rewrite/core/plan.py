@@ -64,7 +64,8 @@ def plan_precision(graph: PrecisionGraph, rules: RuleSet, *, keep_fp32: Iterable
     fixes.update({k: constraints.Fix(Precision.HIGH, why) for k, why in (pins or {}).items()})
     if wide_values:
         fixes.update(constraints.range_fixes(graph, classes, wide_values))
-    fixes.update(constraints.deny_propagation(graph, classes, fixes))
+    bounded = constraints.bounded_groups(graph, rules)
+    fixes.update(constraints.deny_propagation(graph, classes, fixes, bounded))
     fixed = {k: f.precision for k, f in fixes.items()}
     candidates = placement.promotion_candidates(graph)
     free = placement.free_reads(graph, fixed, candidates)

@@ -3,6 +3,13 @@
 Load order, later wins: the packaged ``rules/<domain>.toml``; each ``--rules`` file; each file in
 ``AMP_REWRITE_RULES`` (os.pathsep-separated); then ``AMP_REWRITE_<CLASS>_ADD`` and
 ``AMP_REWRITE_<CLASS>_REMOVE`` (comma-separated op keys), ADD before REMOVE.
+
+Besides the four class tables, a file may hold a ``[bounded_output]`` table (op = "reason",
+like a class entry): ops whose *output* is bounded (``|cos x| ≤ 1``) whatever their class.
+Such an op that runs fp32 because of its *input* (deny: an fp16 angle loses phase) does not
+start deny propagation: gray/clear ops downstream of it stay free and the min cut decides where
+its output is cast. Overlays add entries; ``AMP_REWRITE_BOUNDED_OUTPUT_ADD`` and ``_REMOVE``
+apply last, like the class variables.
 """
 from __future__ import annotations
 
@@ -24,14 +31,15 @@ RULE_CLASSES = (OpClass.ALLOW, OpClass.DENY, OpClass.GRAY, OpClass.CLEAR)
 ENV_FILES = "AMP_REWRITE_RULES"
 ENV_PREFIX = "AMP_REWRITE_"
 # Variables of the package that are not rule lists (runtime, bench and tools read them).
+BOUNDED_OUTPUT = "bounded_output"  # the table of ops whose output is bounded (module docstring)
 OTHER_ENV_VARS = frozenset({"AMP_REWRITE_CACHE", "AMP_REWRITE_MODELOPT_PYTHON",
                             "AMP_REWRITE_FUSED_BACKEND", "AMP_REWRITE_FORK"})
 
 
 def env_op_list_names() -> list[str]:
     """``AMP_REWRITE_<CLASS>_ADD`` and ``_REMOVE`` for every rule class."""
-    return [f"{ENV_PREFIX}{c.value.upper()}_{verb}" for verb in ("ADD", "REMOVE")
-            for c in RULE_CLASSES]
+    return [f"{ENV_PREFIX}{name.upper()}_{verb}" for verb in ("ADD", "REMOVE")
+            for name in [*(c.value for c in RULE_CLASSES), BOUNDED_OUTPUT]]
 
 
 def known_env_vars() -> list[str]:
@@ -56,11 +64,22 @@ class RuleEntry:
     source: str
 
 
-class RuleSet:
-    """The effective op → class mapping after all overlays."""
+@dataclass(frozen=True)
+class BoundedEntry:
+    """One op whose output is bounded (``[bounded_output]``), why, and who said so."""
 
-    def __init__(self, entries: Iterable[RuleEntry] = ()) -> None:
+    op: str
+    reason: str
+    source: str
+
+
+class RuleSet:
+    """The effective op → class mapping after all overlays, and the bounded-output ops."""
+
+    def __init__(self, entries: Iterable[RuleEntry] = (),
+                 bounded: Iterable[BoundedEntry] = ()) -> None:
         self._entries: dict[str, RuleEntry] = {e.op: e for e in entries}
+        self._bounded: dict[str, BoundedEntry] = {e.op: e for e in bounded}
 
     def classify(self, op_key: str) -> RuleEntry | None:
         return self._entries.get(op_key)
@@ -75,15 +94,31 @@ class RuleSet:
     def ops(self, op_class: OpClass) -> set[str]:
         return {e.op for e in self._entries.values() if e.op_class is op_class}
 
-    def overlay(self, entries: Iterable[RuleEntry]) -> RuleSet:
+    def has_bounded_output(self, op_key: str) -> bool:
+        """True when ``op_key``'s output is bounded: as deny it starts no deny propagation."""
+        return op_key in self._bounded
+
+    def bounded_entries(self) -> list[BoundedEntry]:
+        return sorted(self._bounded.values(), key=lambda e: e.op)
+
+    def overlay(self, entries: Iterable[RuleEntry],
+                bounded: Iterable[BoundedEntry] = ()) -> RuleSet:
         merged = dict(self._entries)
         merged.update((e.op, e) for e in entries)
-        return RuleSet(merged.values())
+        merged_bounded = dict(self._bounded)
+        merged_bounded.update((e.op, e) for e in bounded)
+        return RuleSet(merged.values(), merged_bounded.values())
 
     def without(self, op_class: OpClass, ops: Iterable[str]) -> RuleSet:
         drop = set(ops)
-        return RuleSet(e for e in self._entries.values()
-                       if not (e.op in drop and e.op_class is op_class))
+        return RuleSet((e for e in self._entries.values()
+                        if not (e.op in drop and e.op_class is op_class)),
+                       self._bounded.values())
+
+    def without_bounded(self, ops: Iterable[str]) -> RuleSet:
+        drop = set(ops)
+        return RuleSet(self._entries.values(),
+                       (e for e in self._bounded.values() if e.op not in drop))
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -99,8 +134,34 @@ def default_rules_path(domain: str) -> Path:
 
 
 def parse_rule_file(path: str | Path) -> list[RuleEntry]:
-    """Parse and validate one rule file; every problem is a RuleFileError naming file and key."""
+    """Parse and validate one rule file's class tables; every problem is a RuleFileError
+    naming file and key. ``parse_bounded_output`` reads its ``[bounded_output]`` table."""
     path = Path(path)
+    data = _read_rule_file(path)
+    entries: dict[str, RuleEntry] = {}
+    for class_name, table in data.items():
+        if class_name in ("schema", BOUNDED_OUTPUT):
+            continue
+        op_class = _parse_class(path, class_name, table)
+        for op, reason in table.items():
+            entries[op] = _parse_entry(path, entries, op_class, op, reason)
+    return list(entries.values())
+
+
+def parse_bounded_output(path: str | Path) -> list[BoundedEntry]:
+    """The ``[bounded_output]`` table of one rule file (empty when it has none)."""
+    path = Path(path)
+    table = _read_rule_file(path).get(BOUNDED_OUTPUT, {})
+    if not isinstance(table, dict):
+        raise RuleFileError(f"{path}: [{BOUNDED_OUTPUT}] must be a table of op = \"reason\"")
+    for op, reason in table.items():
+        if not isinstance(reason, str) or not reason.strip():
+            raise RuleFileError(f"{path}: [{BOUNDED_OUTPUT}] {op}: the value must be a "
+                                "non-empty reason string")
+    return [BoundedEntry(op, reason.strip(), str(path)) for op, reason in table.items()]
+
+
+def _read_rule_file(path: Path) -> dict:
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -108,14 +169,7 @@ def parse_rule_file(path: str | Path) -> list[RuleEntry]:
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise RuleFileError(f"{path}: not valid TOML ({e})") from None
     _check_header(path, data)
-    entries: dict[str, RuleEntry] = {}
-    for class_name, table in data.items():
-        if class_name == "schema":
-            continue
-        op_class = _parse_class(path, class_name, table)
-        for op, reason in table.items():
-            entries[op] = _parse_entry(path, entries, op_class, op, reason)
-    return list(entries.values())
+    return data
 
 
 def _check_header(path: Path, data: dict) -> None:
@@ -129,7 +183,8 @@ def _check_header(path: Path, data: dict) -> None:
 def _parse_class(path: Path, class_name: str, table: object) -> OpClass:
     names = [c.value for c in RULE_CLASSES]
     if class_name not in names:
-        raise RuleFileError(f"{path}: unknown class [{class_name}]; expected one of {names}")
+        raise RuleFileError(f"{path}: unknown class [{class_name}]; expected one of {names} "
+                            f"(or [{BOUNDED_OUTPUT}])")
     if not isinstance(table, dict):
         raise RuleFileError(f"{path}: [{class_name}] must be a table of op = \"reason\"")
     return OpClass(class_name)
@@ -160,7 +215,10 @@ def _apply_env(rules: RuleSet, env: Mapping[str, str]) -> RuleSet:
     for op_class in RULE_CLASSES:
         name = f"AMP_REWRITE_{op_class.value.upper()}_REMOVE"
         rules = rules.without(op_class, _env_op_list(env, name))
-    return rules
+    name = f"{ENV_PREFIX}{BOUNDED_OUTPUT.upper()}"
+    rules = rules.overlay([], [BoundedEntry(op, f"added by ${name}_ADD", f"${name}_ADD")
+                               for op in _env_op_list(env, f"{name}_ADD")])
+    return rules.without_bounded(_env_op_list(env, f"{name}_REMOVE"))
 
 
 def load_rules(domain: str, extra_files: Iterable[str | Path] = (),
@@ -172,13 +230,14 @@ def load_rules(domain: str, extra_files: Iterable[str | Path] = (),
     variable naming any other op of a known domain gets a warning with the closest name.
     """
     env = os.environ if env is None else env
-    packaged = parse_rule_file(default_rules_path(domain))
-    rules = RuleSet(packaged)
+    packaged_path = default_rules_path(domain)
+    packaged = parse_rule_file(packaged_path)
+    rules = RuleSet(packaged, parse_bounded_output(packaged_path))
     env_files = [p for p in env.get(ENV_FILES, "").split(os.pathsep) if p]
     overlays = []
     for path in [*extra_files, *env_files]:
         overlays.append(parse_rule_file(path))
-        rules = rules.overlay(overlays[-1])
+        rules = rules.overlay(overlays[-1], parse_bounded_output(path))
     warn_env_names(env)
     if known_ops is not None:
         known = {e.op for e in packaged} | set(known_ops)

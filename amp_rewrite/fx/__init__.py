@@ -8,6 +8,7 @@ and dtypes, and carries ``gm.amp_report`` (the ONNX ``--report`` schema).
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -16,7 +17,7 @@ import torch
 
 from amp_rewrite import arguments
 from amp_rewrite.core import LowDtype, PadPolicy, RuleSet, load_rules
-from amp_rewrite.core.rules import default_rules_path
+from amp_rewrite.core.rules import close_match, default_rules_path
 from amp_rewrite.core.runtime import gc_paused, listed
 from amp_rewrite.errors import UsageError
 from amp_rewrite.fx import guards, lowering
@@ -155,7 +156,7 @@ def rewrite_graph(gm: torch.fx.GraphModule, *, dtype: torch.dtype | str = torch.
         pointwise = FusePointwise(CUDA_MIN_SAVED_BYTES if device == "cuda" else 0)
         if fuse:  # DESIGN §4: pointwise fusion last, casts and pads included
             pointwise(gm)
-    gm.meta[EXPLAIN_KEY] = _with_fusions(gm, amp.explanations())
+    gm.meta[EXPLAIN_KEY] = _for_device(_with_fusions(gm, amp.explanations()), device)
     gm.amp_report = {**amp.report(), "device": device, "padding": padding,
                      "emulated_gemms": emulated,
                      "attention_masks_dropped": masks.dropped,
@@ -286,13 +287,45 @@ def graph_device(gm: torch.fx.GraphModule) -> str:
     return next((p.device.type for p in gm.parameters()), "cpu")
 
 
+# The torch rules' reasons describe the CUDA kernels (autocast's CUDA lists are their base);
+# on another device the same decision holds for that device's kernels, named here.
+_CUDA_WORDING = ((re.compile(r"\bon Tensor Cores\b"), "in the device's low-precision GEMM"),
+                 (re.compile(r"\bTensor Cores?\b"), "low-precision GEMM units"),
+                 (re.compile(r"\bcu(BLAS|DNN|BLASLt)\b"), "oneDNN"))
+
+
+def _for_device(explanations: dict[str, list[str]], device: str) -> dict[str, list[str]]:
+    if device == "cuda":
+        return explanations
+    def true(line: str) -> str:
+        for pattern, wording in _CUDA_WORDING:
+            line = pattern.sub(wording, line)
+        return line
+    return {name: [true(line) for line in lines] for name, lines in explanations.items()}
+
+
 def explain(gm: torch.fx.GraphModule, node_name: str) -> list[str]:
-    """Print and return why node ``node_name`` of a rewritten module runs low or high."""
+    """Why node ``node_name`` of a rewritten module runs low or high (the lines; the CLI
+    prints them). An unknown name is a ``UsageError`` with the nearest names, including
+    fused nodes that replaced an op of that name (``softmax`` inside attention)."""
     explanations = getattr(gm, "meta", {}).get(EXPLAIN_KEY)
     if explanations is None:
         raise UsageError("this GraphModule was not produced by amp_rewrite.rewrite")
     lines = explanations.get(node_name)
     if not lines:
-        raise UsageError(f"no node named {node_name!r} with floating-point ports in this graph")
-    print("\n".join(lines))
-    return lines
+        raise UsageError(f"no node named {node_name!r} with floating-point ports in this "
+                         f"graph{_near_names(explanations, node_name)}")
+    return list(lines)
+
+
+def _near_names(explanations: dict[str, list[str]], wanted: str) -> str:
+    """" (did you mean X?)", or the fused nodes that replaced an op called ``wanted``."""
+    fused_into = [name for name, lines in explanations.items()
+                  if re.search(rf"\(replaced [^)]*\b{re.escape(wanted)}\b", lines[0])]
+    if fused_into:
+        return (f"; {wanted} was fused into {', '.join(fused_into[:3])}"
+                f"{' ...' if len(fused_into) > 3 else ''}: explain that node")
+    prefixed = sorted((n for n in explanations if n.startswith(wanted)), key=len)
+    if prefixed:
+        return f" (did you mean {prefixed[0]}?)"
+    return close_match(wanted, explanations)

@@ -67,7 +67,84 @@ def check_signature(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         sig.bind(*args, **kwargs)
     except TypeError as e:
         raise UsageError(f"example inputs do not match {type(module).__name__}.forward{sig}: "
-                         f"{e}") from None
+                         f"{e}{_positional_landing(module, args)}") from None
+
+
+def _positional_landing(module: torch.nn.Module, args: tuple) -> str:
+    """Where positional example inputs went, for errors: a tensor meant as the attention mask
+    that lands in GPT-2's second parameter (its cache) fails far from the call."""
+    if len(args) < 2:
+        return ""
+    try:
+        names = list(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return ""
+    landed = [f"#{i + 1} -> {name!r}" for i, name in enumerate(names[:len(args)])]
+    return (f" (positional example inputs bind in forward's order: {', '.join(landed)}; pass "
+            "the others by keyword, example_kwargs={'attention_mask': ...})")
+
+
+# transformers models return their key/value cache when ``config.use_cache`` is on (every
+# causal LM's default); torch.export cannot return a DynamicCache (not a pytree node), and
+# training and evaluating need no cache.
+_CACHE_KEYWORD = "use_cache"
+
+
+def _without_cache_output(module: torch.nn.Module, kwargs: dict) -> dict:
+    """``kwargs`` plus ``use_cache=False`` where the model would return a cache object and
+    the caller did not choose; one log line says so. Passing ``use_cache`` opts out."""
+    if _CACHE_KEYWORD in kwargs or not getattr(getattr(module, "config", None),
+                                               _CACHE_KEYWORD, False):
+        return kwargs
+    try:
+        parameters = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return kwargs
+    if _CACHE_KEYWORD not in parameters:  # encoders take it only through **kwargs, unused
+        return kwargs
+    log.info("capturing %s with use_cache=False: torch.export cannot return its key/value "
+             "cache object; pass example_kwargs={'use_cache': ...} to choose",
+             type(module).__name__)
+    return {**kwargs, _CACHE_KEYWORD: False}
+
+
+class _CapturedKeywords:
+    """Forward pre-hook of an exported graph: calls take the keywords it was captured with.
+
+    torch.export fixes the set of keywords (and the value of non-tensor ones); a call that
+    differs gets torch's "kwarg keyword mismatch" with no hint. Here a non-tensor keyword
+    left out takes its captured value (``use_cache=False`` above), and any other difference
+    is a one-line ``UsageError`` naming the keyword.
+    """
+
+    def __init__(self, captured: dict) -> None:
+        self.constants = {k: v for k, v in captured.items() if not _holds_tensor(v)}
+        self.tensors = [k for k in captured if k not in self.constants]
+
+    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict
+                 ) -> tuple[tuple, dict]:
+        missing = [k for k in self.tensors if k not in kwargs]
+        if missing:
+            raise UsageError(
+                f"this graph was captured with {', '.join(f'{k}=' for k in missing)} and needs "
+                "it on every call (torch.export fixes a graph's inputs); pass it, or capture "
+                "a second graph without it")
+        unknown = [k for k in kwargs if k not in self.constants and k not in self.tensors]
+        if unknown:
+            raise UsageError(
+                f"this graph was captured without {', '.join(f'{k}=' for k in unknown)} "
+                "(torch.export fixes a graph's inputs); capture with it in example_kwargs")
+        for key, value in self.constants.items():
+            if key in kwargs and kwargs[key] != value:
+                raise UsageError(f"{key}={kwargs[key]!r}: this graph was captured with "
+                                 f"{key}={value!r}, and a non-tensor argument is fixed at "
+                                 "capture; capture again with the value you need")
+        return args, {**self.constants, **kwargs}
+
+
+def _holds_tensor(value: Any) -> bool:
+    return any(isinstance(leaf, torch.Tensor)
+               for leaf in torch.utils._pytree.tree_leaves(value))
 
 
 def capture(model: torch.nn.Module, example_inputs: Any,
@@ -95,8 +172,12 @@ def capture(model: torch.nn.Module, example_inputs: Any,
     module = copy.deepcopy(model)
     with quiet_torch_logs():
         if mode == "export":
-            return _export(module, args, kwargs, export_dynamic_shapes(module, args, kwargs,
-                                                                       dynamic_shapes))
+            kwargs = _without_cache_output(module, kwargs)
+            gm = _export(module, args, kwargs, export_dynamic_shapes(module, args, kwargs,
+                                                                     dynamic_shapes))
+            gm.register_forward_pre_hook(_CapturedKeywords(kwargs), with_kwargs=True,
+                                        prepend=True)  # before export's own check
+            return gm
         return _symbolic_trace(module, args, kwargs)
 
 
@@ -209,7 +290,13 @@ def _raise_export_failure(module: torch.nn.Module, args: tuple, kwargs: dict,
     eager_error = _eager_error(module, args, kwargs)
     if eager_error is not None:
         raise UsageError(f"example inputs do not fit {type(module).__name__}: "
-                         f"{_first_line(eager_error)}") from error
+                         f"{_first_line(eager_error)}{_positional_landing(module, args)}"
+                         ) from error
+    if "in output, which is not a known type" in str(error) and "Cache" in str(error):
+        raise CaptureError(
+            f"torch.export cannot capture {type(module).__name__}: its output holds a "
+            "transformers cache object, which an exported graph cannot return; capture with "
+            "use_cache=False (what amp_rewrite does when use_cache is not given)") from error
     construct = _user_construct(error)
     if isinstance(error, DataDependentOutputException):
         raise CaptureError(f"torch.export cannot capture {type(module).__name__}: "

@@ -154,9 +154,13 @@ def _window_module(gm: torch.fx.GraphModule, window: list[Node]
 class FusedRegion(nn.Module):
     """A fused pointwise region: plain fx code, run compiled by Inductor outside tracing."""
 
-    def __init__(self, region: torch.fx.GraphModule) -> None:
+    def __init__(self, region: torch.fx.GraphModule, stats: dict | None = None) -> None:
         super().__init__()
         self.region = region
+        # shared by the regions of one graph; its amp_report["fused"]["compile"]
+        self.stats = {"compiles": 0, "compile_seconds": 0.0, "reused": 0} \
+            if stats is None else stats
+        self._seen: set[tuple] = set()  # compile keys this region has run with
         self.signature = structure(region)
         ops = op_names(region)
         self.__doc__ = (f"Fused pointwise region of {len(ops)} ops: {', '.join(ops)}. "
@@ -166,7 +170,7 @@ class FusedRegion(nn.Module):
     def forward(self, *args: Any) -> Any:
         if _tracing(args):
             return self.region(*args)
-        compiled = _compiled_for(self.signature, self.region, args)
+        compiled = _compiled_for(self.signature, self.region, args, self.stats, self._seen)
         return self.region(*args) if compiled is None else compiled(*args)
 
 
@@ -204,16 +208,27 @@ def _input_key(args: Sequence[torch.Tensor]) -> tuple:
 
 
 def _compiled_for(signature: str, region: torch.fx.GraphModule,
-                  args: Sequence[torch.Tensor]) -> Callable | None:
+                  args: Sequence[torch.Tensor], stats: dict, seen: set
+                  ) -> Callable | None:
     if os.environ.get(BACKEND_ENV, "inductor") == "eager" or _STATE["broken"]:
         return None
     key = (signature, _input_key(args), torch.is_grad_enabled())
     compiled = _COMPILED.get(key)
     if compiled is None:
+        if not _STATE["compiles"]:  # the first call pauses for seconds: say why, once
+            log.warning("compiling fused pointwise regions with Inductor (once per distinct "
+                        "region and input shape; %s=eager skips it)", BACKEND_ENV)
+        start = time.perf_counter()
         compiled = _compile(region, args)
         if compiled is None:
             return None
         _COMPILED[key] = compiled
+        stats["compiles"] += 1
+        stats["compile_seconds"] = round(stats["compile_seconds"]
+                                         + time.perf_counter() - start, 3)
+    elif key not in seen:
+        stats["reused"] += 1  # compiled for an identical region, here or in another graph
+    seen.add(key)
     return compiled
 
 
@@ -288,6 +303,7 @@ class FusePointwise(PassBase):
 
     def __init__(self, min_saved_bytes: int = 0) -> None:
         self.regions: list[str] = []
+        self.compile = {"compiles": 0, "compile_seconds": 0.0, "reused": 0}
         self.min_saved_bytes = min_saved_bytes
         self.declined = 0
 
@@ -308,7 +324,7 @@ class FusePointwise(PassBase):
                  if n.op == "call_module" and n.target.startswith(_TEMP_PREFIX)]
         position = {node: i for i, node in enumerate(graph_module.graph.nodes)}
         for i, node in enumerate(calls):  # numbered in graph order: stable across rewrites
-            region = FusedRegion(graph_module.get_submodule(node.target))
+            region = FusedRegion(graph_module.get_submodule(node.target), self.compile)
             delattr(graph_module, node.target)
             node.target = f"{PREFIX}{i}"
             graph_module.add_submodule(node.target, region)
@@ -322,8 +338,11 @@ class FusePointwise(PassBase):
         return PassResult(graph_module, True)
 
     def summary(self) -> dict[str, int]:
+        """``compile`` is the regions' one-time Inductor cost, filled in as they first run:
+        ``compiles`` and ``compile_seconds`` of this graph, ``reused``: compilations of
+        identical regions (this graph's or another's, e.g. train and eval) it ran instead."""
         return {"regions": len(self.regions), "distinct_regions": len(set(self.regions)),
-                "declined_as_too_small": self.declined}
+                "declined_as_too_small": self.declined, "compile": self.compile}
 
 
 def sink_to_first_use(gm: torch.fx.GraphModule) -> None:

@@ -109,8 +109,24 @@ def _add_values(view: OnnxView, g: ir.Graph, low_ir: ir.DataType,
     for v in values:
         if is_candidate(v, low_ir) and not view.graph.has_value(v):
             nbytes = value_nbytes(v, inferred)
-            view.graph.add_value(v, name=v.name or "",
-                                 nbytes=nbytes if nbytes is not None else sizes.get(v))
+            if nbytes is None:
+                nbytes = sizes.get(v) or _moved_size(view.graph, v)
+            view.graph.add_value(v, name=v.name or "", nbytes=nbytes)
+
+
+# Ops whose output holds exactly the elements of their first input: an output without a shape
+# (fusions create such values) costs what the input costs, not one unit; else the min cut
+# casts K after a head-repeat Expand → Reshape → Transpose chain instead of before it.
+_SAME_SIZE_OPS = frozenset({"Transpose", "Reshape", "Identity", "Squeeze", "Unsqueeze",
+                            "Flatten"})
+
+
+def _moved_size(graph: PrecisionGraph, v: ir.Value) -> int | None:
+    node = v.producer()
+    if node is None or node.domain != "" or node.op_type not in _SAME_SIZE_OPS:
+        return None
+    src = node.inputs[0] if node.inputs else None
+    return graph.value(src).nbytes if src is not None and graph.has_value(src) else None
 
 
 def _if_output_sizes(graphs: list[ir.Graph], inferred) -> dict[ir.Value, int]:

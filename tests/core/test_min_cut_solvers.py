@@ -117,7 +117,7 @@ def test_compiled_min_cut_gives_networkx_plans_on_node_test_corpus(monkeypatch):
 
 ZOO = ["albert", "bart", "bert", "clip_vision", "convnext", "deit", "distilbert", "gpt2",
        "llama", "mobilenet_v2", "resnet", "roberta", "segformer", "swin", "t5", "vit",
-       "wav2vec2", "whisper_encoder"]
+       "wav2vec2", "whisper_encoder", "clip_text", "llama_32k", "unet_block"]
 
 
 @pytest.mark.parametrize("name", ZOO)

@@ -77,10 +77,18 @@ def op_class(rules: dict) -> dict[str, str]:
 
 # (1) format ---------------------------------------------------------------------------------
 
-def test_schema_is_1_and_only_the_four_class_tables(rules):
+def test_schema_is_1_and_only_the_four_class_tables_and_bounded_output(rules):
     assert rules.get("schema") == 1
-    assert set(rules) == {"schema", *CLASSES}
+    assert set(rules) == {"schema", *CLASSES, "bounded_output"}
     assert all(isinstance(rules[cls], dict) and rules[cls] for cls in CLASSES)
+
+
+def test_bounded_output_ops_are_deny_ops_with_a_reason(rules, op_class):
+    """Only a deny op's bounded output changes a plan; each entry says why it is bounded."""
+    bounded = rules["bounded_output"]
+    assert {op_class.get(op) for op in bounded} == {"deny"}
+    assert {"Sin", "Cos"} <= set(bounded)
+    assert all(isinstance(r, str) and r.strip() and "\n" not in r for r in bounded.values())
 
 
 def test_every_reason_is_a_nonempty_single_line(rules):

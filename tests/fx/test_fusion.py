@@ -16,6 +16,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 import amp_rewrite
+from amp_rewrite.errors import UsageError
 from amp_rewrite.fx import pointwise
 from amp_rewrite.fx.capture import capture, refresh_fake_values
 from amp_rewrite.fx.fusion import FUSED_TAG, FuseAttention, FuseNorms, FuseTanhGelu
@@ -210,7 +211,9 @@ def test_fuse_false_keeps_the_spelled_out_attention():
     assert [t for t in _targets(gm) if "softmax" in str(t)]
     assert "fused" not in gm.code.replace("fused\": {", "")
     assert gm.amp_report["fused"] == {"patterns": {}, "regions": 0, "distinct_regions": 0,
-                                      "declined_as_too_small": 0}
+                                      "declined_as_too_small": 0,
+                                      "compile": {"compiles": 0, "compile_seconds": 0.0,
+                                                  "reused": 0}}
 
 
 def test_compiled_regions_match_eager_regions_forward_and_backward(monkeypatch):
@@ -223,6 +226,9 @@ def test_compiled_regions_match_eager_regions_forward_and_backward(monkeypatch):
     gm(x).float().sum().backward()
     compiled = pointwise.compile_stats()["compiles"] - before
     assert 0 < compiled < gm.amp_report["fused"]["regions"]  # identical blocks compile once
+    # the one-time cost is in the report: this graph's compilations, and those it reused
+    cost = gm.amp_report["fused"]["compile"]
+    assert cost["compiles"] == compiled and cost["compile_seconds"] > 0 and cost["reused"] > 0
     monkeypatch.setenv(pointwise.BACKEND_ENV, "eager")
     x_ref = args[0].clone().requires_grad_()
     ref = eager(x_ref)
@@ -331,6 +337,12 @@ def test_explain_names_the_fused_pattern(capsys):
                 if n.target is aten.scaled_dot_product_attention.default)
     lines = amp_rewrite.explain(gm, sdpa)
     assert "fused attention pattern" in lines[0] and "softmax" in lines[0]
+    # the README's explain(gm, "softmax") on a model whose softmax was fused: where it went
+    with pytest.raises(UsageError, match=f"softmax was fused into {sdpa}"):
+        amp_rewrite.explain(gm, "softmax")
+    # CPU reasons name CPU kernels, not CUDA's
+    linear = amp_rewrite.explain(gm, "linear")
+    assert "GEMM" in linear[0] and "Tensor Core" not in linear[0] and "cuBLAS" not in linear[0]
 
 
 def test_digits_training_through_compiled_regions_reaches_fp32_accuracy(monkeypatch):

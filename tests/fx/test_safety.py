@@ -530,17 +530,11 @@ def test_cli_lists_torch_rules_with_their_sources(device, grid_sampler, capsys):
 
 
 def test_pytorch_cpu_autocast_lists_through_the_rewrite_agree_except_justified():
-    """tools/autocast_lists.py on the CPU lists: every entry rewrites, runs in autocast's
-    precision and within twice autocast's error; the one exception is justified above."""
-    import importlib.util
-    import sys
-    from pathlib import Path
+    """``python -m amp_rewrite.bench fx autocast`` on the CPU lists: every entry rewrites, runs
+    in autocast's precision and within twice autocast's error; the one exception is justified
+    above."""
+    from amp_rewrite.bench import autocast_lists as tool
 
-    path = Path(__file__).resolve().parents[2] / "tools" / "autocast_lists.py"
-    spec = importlib.util.spec_from_file_location("autocast_lists", path)
-    tool = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = tool  # dataclasses look their module up there
-    spec.loader.exec_module(tool)
     lists = tool.load_lists()["cpu"]
     entries = [tool.run_entry("cpu", name, raw) for name, raws in vars(lists).items()
                if isinstance(raws, list) for raw in raws]

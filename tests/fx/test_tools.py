@@ -1,30 +1,21 @@
 """The fx tools run end to end (small settings); their numbers are checked in other tests."""
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-_TOOLS = Path(__file__).resolve().parents[2] / "tools"
-
 
 def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, _TOOLS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module(f"amp_rewrite.bench.{name}")
 
 
 def test_models_table_writes_a_row_per_model_and_dtype(tmp_path, capsys):
     out = tmp_path / "table.json"
-    assert _load("fx_models_table").main(
-        ["--models", "resnet", "--dtypes", "fp16", "bf16", "--repeat", "1", "--out", str(out)]
+    assert _load("fx_table").main(
+        ["--models", "resnet", "--dtypes", "fp16", "bf16", "--repeat", "1", "--json", str(out)]
     ) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["model"], r["dtype"]) for r in rows] == [("resnet", "fp16"), ("resnet", "bf16")]
@@ -33,7 +24,7 @@ def test_models_table_writes_a_row_per_model_and_dtype(tmp_path, capsys):
 
 
 def test_gpu_benchmark_without_cuda_says_so_and_exits_0(capsys):
-    tool = _load("bench_gpu_training")
+    tool = _load("gpu_training")
     if tool.torch.cuda.is_available():
         pytest.skip("CUDA present: the message is for machines without it")
     assert tool.main([]) == 0
@@ -42,10 +33,10 @@ def test_gpu_benchmark_without_cuda_says_so_and_exits_0(capsys):
 
 def test_gpu_benchmark_code_runs_on_cpu_with_tiny_configs(tmp_path):
     out = tmp_path / "bench.json"
-    tool = _load("bench_gpu_training")
+    tool = _load("gpu_training")
     assert tool.main(["--device", "cpu", "--tiny", "--compile", "off", "--models", "mlp_odd",
                       "--phases", "train", "forward", "--steps", "1", "--warmup", "1",
-                      "--out", str(out)]) == 0
+                      "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["variant"], r["phase"]) for r in rows] == [
         (v, p) for v in tool.VARIANTS for p in ("train", "forward")]

@@ -111,3 +111,66 @@ def test_decoder_exports_match_torch_in_fp32():
     assert [o.name for o in model.graph.output] == decoders.output_names("qwen2-decode")
     assert _error_vs_torch(model, "qwen2-decode", deployed.run_ort, LONG_PAST) < 1e-5
     assert np.isfinite(decoders.inputs("qwen2-decode")["past_key_values.0.key"]).all()
+
+
+# -- bounded deny outputs (rules/onnx.toml [bounded_output]) on the rotary decoders ---------
+
+def _kv_cast_sources(model: onnx.ModelProto) -> dict[str, str]:
+    """fp16 Cast → the op producing what it reads, for the casts that feed the K/V path."""
+    producer = {o: n for n in model.graph.node for o in n.output}
+    sources = {}
+    for n in model.graph.node:
+        to = next((a.i for a in n.attribute if a.name == "to"), None)
+        if n.op_type == "Cast" and to == onnx.TensorProto.FLOAT16 and n.input[0] in producer:
+            sources[n.input[0]] = producer[n.input[0]].op_type
+    return sources
+
+
+@pytest.mark.parametrize("name", ["llama-decode", "qwen2-decode"])
+def test_bounded_cos_sin_cast_kv_before_head_repeat(name, monkeypatch):
+    """With Cos/Sin's output bounded the rotary runs fp16, K/V are cast on the Concat with the
+    cache (before the GQA head repeat), the angles stay fp32, and cast traffic falls."""
+    path = decoders.cached_decoder(name)
+    feeds = decoders.inputs(name)
+    model = deployed.convert_ours(path)
+    sources = _kv_cast_sources(model)
+    present = {f"present.{i}.{kv}" for i in range(decoders.LAYERS) for kv in ("key", "value")}
+    assert present <= set(sources), sources  # the cache Concat's output, not a repeat's
+    assert not {"Expand", "Reshape"} & set(sources.values()), sources
+    assert {"Cos", "Sin"} <= set(sources.values())  # bounded outputs cast once each
+    dtypes = {o: t for n, ts in deployed.node_dtypes(model) for o, t in zip(n.output, ts)}
+    producer = {o: n for n in model.graph.node for o in n.output}
+    cos = next(n for n in model.graph.node if n.op_type == "Cos")
+    concat = producer[cos.input[0]]
+    angle = producer[concat.input[0]]  # position · inv_freq
+    assert (concat.op_type, angle.op_type) == ("Concat", "Mul")
+    for node in (cos, concat, angle):
+        assert dtypes[node.output[0]] == onnx.TensorProto.FLOAT, node.op_type
+    low, total = deployed.low_share(model)
+    monkeypatch.setenv("AMP_REWRITE_BOUNDED_OUTPUT_REMOVE", "Sin,Cos")
+    unbounded = deployed.convert_ours(path)
+    old_low, _ = deployed.low_share(unbounded)
+    assert low > old_low and low / total >= 0.75, (low, old_low, total)
+    casts, cast_bytes = deployed.cast_traffic(model, feeds)
+    old_casts, old_bytes = deployed.cast_traffic(unbounded, feeds)
+    assert casts <= old_casts and cast_bytes <= old_bytes, (casts, cast_bytes, old_bytes)
+
+
+def test_shapeless_movement_output_costs_its_input():
+    """A Transpose output without a shape (as fusions leave them) is as large as its input,
+    so the view does not price a cast after a head repeat at one unit."""
+    import onnx_ir as ir
+
+    from amp_rewrite.core import LowDtype
+    from amp_rewrite.onnx.view import build_view
+
+    model = ir.from_proto(onnx.parser.parse_model("""
+    <ir_version: 9, opset_import: ["" : 18]>
+    g (float[2, 4, 8, 16] x) => (float[2, 4, 16, 8] z) {
+        y = Transpose <perm = [0, 1, 3, 2]> (x)
+        z = Relu(y)
+    }"""))
+    y = next(n for n in model.graph if n.op_type == "Transpose").outputs[0]
+    y.dtype, y.shape = ir.DataType.FLOAT, None
+    view = build_view(model, LowDtype.FLOAT16)
+    assert view.graph.value(y).nbytes == 2 * 4 * 8 * 16 * 4

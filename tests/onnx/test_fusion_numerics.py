@@ -3,10 +3,7 @@ is no less accurate than the unfused one under true fp16, and the comparison too
 fp16 ``FusedConv`` (which no onnxruntime provider has a kernel for) as such."""
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -156,19 +153,13 @@ def test_fused_bert_is_no_less_accurate_than_unfused_at_every_value_under_true_f
     assert not worse, f"fused less accurate than unfused at {worse}"
 
 
-# ------------------------------------------------------------------ tools/compare_fusion.py
+# ------------------------------------------------- python -m amp_rewrite.bench compare fusion
 
 @pytest.fixture(scope="module")
 def compare_fusion():
-    path = Path(__file__).resolve().parents[2] / "tools" / "compare_fusion.py"
-    spec = importlib.util.spec_from_file_location("compare_fusion", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["compare_fusion"] = module  # its dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop("compare_fusion", None)
+    from amp_rewrite.bench import fusion_compare
+
+    return fusion_compare
 
 
 WEIGHT = RNG.standard_normal((4, 3, 3, 3))

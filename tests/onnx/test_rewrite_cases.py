@@ -14,6 +14,7 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto
 
+from amp_rewrite.errors import ModelError
 from amp_rewrite.onnx import rewrite_onnx, rewrite_onnx_model
 
 from .conftest import IF_CAPTURES_OUTER, cast_targets, ops, parse, run_reference
@@ -278,16 +279,31 @@ def test_keep_fp32_pattern_pins_a_node(rng):
         "n0": "low", "n1": "low", "n2": "high"}
 
 
-@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-def test_bf16_conv_not_admitted_at_opset_18(rng, dtype):
-    model = parse("""
+CONV_18 = """
     <ir_version: 9, opset_import: ["" : 18]>
-    g (float[1, 2, 4, 4] x) => (float[1, 2, 4, 4] y) <float[2, 2, 1, 1] w> { y = Conv(x, w) }""")
-    report = rewrite_onnx_model(with_weights(model, rng), dtype=dtype).report
-    conv = report["nodes"][0]
-    assert conv["precision"] == ("low" if dtype == "fp16" else "high")
-    if dtype == "bf16":
-        assert "does not admit bfloat16" in conv["reason"]
+    g (float[1, 2, 4, 4] x) => (float[1, 2, 4, 4] y) <float[2, 2, 1, 1] w> { y = Conv(x, w) }"""
+
+
+def test_bf16_converts_an_opset_that_does_not_admit_it(rng):
+    """Conv admits bfloat16 from opset 22: asked for bf16, an opset-18 model is converted
+    (and says so); fp16 needs no conversion."""
+    fp16 = rewrite_onnx_model(with_weights(parse(CONV_18), rng), dtype="fp16")
+    assert fp16.report["nodes"][0]["precision"] == "low"
+    assert fp16.report["opset_conversion"] is None
+    bf16 = rewrite_onnx_model(with_weights(parse(CONV_18), rng), dtype="bf16")
+    assert bf16.report["nodes"][0]["precision"] == "low"
+    assert "18 -> 22" in bf16.report["opset_conversion"]
+    assert bf16.proto().opset_import[0].version == 22
+    onnx.checker.check_model(bf16.proto(), full_check=True)
+
+
+def test_bf16_at_an_explicit_old_opset_keeps_conv_fp32_and_keep_opset_refuses(rng):
+    pinned = rewrite_onnx_model(with_weights(parse(CONV_18), rng), dtype="bf16", opset=18)
+    conv = pinned.report["nodes"][0]
+    assert conv["precision"] == "high"
+    assert "does not admit bfloat16" in conv["reason"]
+    with pytest.raises(ModelError, match="keep-opset"):
+        rewrite_onnx_model(with_weights(parse(CONV_18), rng), dtype="bf16", keep_opset=True)
 
 
 def test_untyped_values_get_dtypes_from_schemas(rng):

@@ -1,25 +1,18 @@
 """The paper's loss-scaling result, reproduced with real fp16 arithmetic on the CPU
-(tools/loss_scaling_paper.py at a reduced step count)."""
+(``python -m amp_rewrite.bench paper`` at a reduced step count)."""
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-_TOOL = Path(__file__).resolve().parents[2] / "tools" / "loss_scaling_paper.py"
-
 
 def _load_tool() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("loss_scaling_paper", _TOOL)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("amp_rewrite.bench.paper")
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +47,7 @@ def test_dynamic_scaling_reaches_the_fp32_loss_within_2_percent(summary: dict) -
 
 def test_cli_writes_json_and_png(tool: ModuleType, tmp_path: Path) -> None:
     out, png = tmp_path / "r.json", tmp_path / "h.png"
-    assert tool.main(["--steps", "2", "--out", str(out), "--png", str(png)]) == 0
+    assert tool.main(["--steps", "2", "--json", str(out), "--png", str(png)]) == 0
     data = json.loads(out.read_text())
     assert set(data["summary"]["final_eval_loss"]) == {"fp32", "fp16", "fp16_scaled"}
     if importlib.util.find_spec("matplotlib") is not None:

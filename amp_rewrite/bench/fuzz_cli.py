@@ -1,0 +1,75 @@
+"""Mutation fuzz campaign of the amp-rewrite CLI (issue 17): N seeded mutated models, each
+run in-process through ``cli.main``; counts exit codes and lists every internal error (exit 1)
+or traceback, with the seed that reproduces it.
+
+    python -m amp_rewrite.bench fuzz --runs 2000 [--first-seed 0]
+        [--model examples/transformer_block.onnx ...] [--json results/fuzz_cli.json]
+
+Base models: the four small ones of ``amp_rewrite.bench.fuzz.seed_models`` plus each
+``--model`` (default: the example transformer block).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import logging
+import tempfile
+import time
+from pathlib import Path
+
+import onnx
+
+from amp_rewrite.bench import fuzz
+
+EXAMPLE = Path(__file__).parents[2] / "examples" / "transformer_block.onnx"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=2000)
+    ap.add_argument("--first-seed", type=int, default=0)
+    ap.add_argument("--model", type=Path, action="append",
+                    default=None, help="extra base model (repeatable)")
+    ap.add_argument("--json", type=Path, default=Path("results/fuzz_cli.json"))
+    args = ap.parse_args(argv)
+    logging.disable(logging.WARNING)  # the runs' warnings are expected; exit codes matter
+    models = fuzz.seed_models()
+    for path in args.model if args.model is not None else [EXAMPLE]:
+        models[path.stem] = onnx.load(path)
+    codes: collections.Counter[int] = collections.Counter()
+    by_mutation: dict[str, collections.Counter[int]] = collections.defaultdict(collections.Counter)
+    bad = []
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as work:
+        for seed in range(args.first_seed, args.first_seed + args.runs):
+            outcome = fuzz.run_case(fuzz.make_case(seed, models), Path(work))
+            codes[outcome.exit_code] += 1
+            labels = list(outcome.case.mutations)
+            if outcome.case.external is not None:
+                labels.append("external" + (f"-{outcome.case.external}"
+                                            if outcome.case.external else ""))
+            for m in labels:
+                by_mutation[m][outcome.exit_code] += 1
+            if outcome.bad:
+                bad.append({"seed": seed, "base": outcome.case.base,
+                            "mutations": outcome.case.mutations, "flags": outcome.case.flags,
+                            "external": outcome.case.external,
+                            "exit_code": outcome.exit_code, "stderr": outcome.stderr[-500:]})
+    seconds = time.perf_counter() - start
+    result = {"runs": args.runs, "first_seed": args.first_seed, "seconds": round(seconds, 1),
+              "base_models": sorted(models),
+              "exit_codes": dict(sorted(codes.items())), "internal_errors": len(bad),
+              "by_mutation": {m: dict(sorted(c.items())) for m, c in sorted(by_mutation.items())},
+              "bad": bad}
+    print(f"{args.runs} runs in {seconds:.1f} s; exit codes {dict(sorted(codes.items()))}; "
+          f"internal errors or tracebacks: {len(bad)}")
+    print(f"{'mutation':<14} " + " ".join(f"{'exit ' + str(c):>7}" for c in (0, 2, 3, 4)))
+    for m, c in sorted(by_mutation.items()):
+        print(f"{m:<14} " + " ".join(f"{c.get(k, 0):>7}" for k in (0, 2, 3, 4)))
+    for b in bad[:20]:
+        print(f"seed {b['seed']}: {b['base']} {b['mutations']} {b['flags']} -> {b['exit_code']}: "
+              f"{b['stderr'].strip()[-200:]}")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=1))
+    return 1 if bad else 0

@@ -1,0 +1,331 @@
+"""Training-step and forward time and peak memory on a GPU: FP32 vs torch.autocast + GradScaler
+vs amp_rewrite (rewritten graph + AmpOptimizer), eager and under ``torch.compile``.
+
+Models (random weights from ``transformers`` configs, no download), on random data:
+* ``bert``: BERT-base sequence classification, batch 32 x 128 tokens;
+* ``gpt2``: GPT-2 small language modelling, batch 8 x 512 tokens (vocabulary 50257: the LM
+  head's N is misaligned);
+* ``resnet50``: ResNet-50 image classification, batch 64 x 3 x 224 x 224 (3-channel stem);
+* ``mlp_odd``: Linear 4095 -> 11007 -> GELU -> 4095 on 16 x 512 tokens (every GEMM dim
+  misaligned; the padding workload of issue 15).
+
+Variants: ``fp32``; ``autocast`` (+ GradScaler for fp16); ``amp_rewrite`` (the defaults:
+fusion on, padding on for CUDA); ``amp_rewrite_nofuse`` (``fuse=False``);
+``amp_rewrite_nopad`` (``pad=False``). Every variant starts from the same weights and uses
+``AdamW`` (fused where the device has it). A training step is forward, loss, backward and
+optimizer step; a forward is one call under ``torch.no_grad()``. Times are medians over
+``--steps`` calls after ``--warmup`` calls (compilation happens in the warm-up), with a device
+synchronisation around each. Peak memory is ``torch.cuda.max_memory_allocated`` over the
+measured calls. ``prep_s`` is the rewrite time (amp_rewrite) before any warm-up; ``loss0`` the
+first step's loss (same weights and data in every variant: a sanity check against FP32).
+For amp_rewrite training rows, ``sync_free`` says whether ``AmpOptimizer.step()`` ran under
+``torch.cuda.set_sync_debug_mode("error")`` without a host synchronisation.
+
+Rows are appended to ``--out`` as they finish (a killed run keeps what it measured). Without
+CUDA it says so and exits 0; ``--device cpu --tiny`` runs the same code on tiny configs (a
+smoke test of the script, not a benchmark).
+
+    python -m amp_rewrite.bench gpu train [--models bert gpt2 resnet50 mlp_odd]
+        [--variants ...] [--dtype fp16|bf16] [--compile off|on|both]
+        [--phases train forward] [--steps 20] [--warmup 5]
+        [--json results/bench_gpu_training.json]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import platform
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+import amp_rewrite
+from amp_rewrite.training import AmpOptimizer
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+VARIANTS = ("fp32", "autocast", "amp_rewrite", "amp_rewrite_nofuse", "amp_rewrite_nopad")
+MODELS = ("bert", "gpt2", "resnet50", "mlp_odd")
+REWRITE_OPTIONS = {"amp_rewrite": {}, "amp_rewrite_nofuse": {"fuse": False},
+                   "amp_rewrite_nopad": {"pad": False}}
+
+
+@dataclass
+class Workload:
+    """A model returning logits, its example inputs, and the loss on those logits."""
+
+    name: str
+    module: torch.nn.Module
+    inputs: tuple
+    loss: Callable[[torch.Tensor], torch.Tensor]
+
+
+class _Logits(torch.nn.Module):
+    """Calls a transformers model with return_dict=False and returns its logits."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x, return_dict=False)[0]
+
+
+def _text(name: str, tiny: bool, g: torch.Generator, device: torch.device
+          ) -> tuple[torch.nn.Module, torch.Tensor, Callable]:
+    import transformers as tf
+
+    if name == "bert":
+        cfg = tf.BertConfig(num_labels=2, **(_TINY_TEXT if tiny else {}))
+        batch, seq = (2, 16) if tiny else (32, 128)
+        x = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
+        labels = torch.randint(0, 2, (batch,), generator=g).to(device)
+        return (_Logits(tf.BertForSequenceClassification(cfg)), x,
+                lambda logits: F.cross_entropy(logits.float(), labels))
+    cfg = tf.GPT2Config(use_cache=False, **(_TINY_GPT2 if tiny else {}))
+    batch, seq = (2, 16) if tiny else (8, 512)
+    x = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
+    targets = x[:, 1:].to(device)
+    return (_Logits(tf.GPT2LMHeadModel(cfg)), x, lambda logits: F.cross_entropy(
+        logits[:, :-1].float().reshape(-1, logits.shape[-1]), targets.reshape(-1)))
+
+
+def _resnet(tiny: bool, g: torch.Generator, device: torch.device
+            ) -> tuple[torch.nn.Module, torch.Tensor, Callable]:
+    import transformers as tf
+
+    cfg = tf.ResNetConfig(**(_TINY_RESNET if tiny else {}))  # defaults: ResNet-50
+    batch, size = (2, 32) if tiny else (64, 224)
+    x = torch.randn(batch, 3, size, size, generator=g)
+    labels = torch.randint(0, cfg.num_labels, (batch,), generator=g).to(device)
+    return (_Logits(tf.ResNetForImageClassification(cfg)), x,
+            lambda logits: F.cross_entropy(logits.float(), labels))
+
+
+def _mlp_odd(tiny: bool, g: torch.Generator) -> tuple[torch.nn.Module, torch.Tensor, Callable]:
+    width, hidden, tokens = (15, 37, 8) if tiny else (4095, 11007, 16 * 512)
+    module = torch.nn.Sequential(torch.nn.Linear(width, hidden), torch.nn.GELU(),
+                                 torch.nn.Linear(hidden, width))
+    x = torch.randn(tokens, width, generator=g)
+    return module, x, lambda out: out.float().square().mean()
+
+
+def build(name: str, tiny: bool, device: torch.device) -> Workload:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    if name in ("bert", "gpt2"):
+        module, x, loss = _text(name, tiny, g, device)
+    elif name == "resnet50":
+        module, x, loss = _resnet(tiny, g, device)
+    elif name == "mlp_odd":
+        module, x, loss = _mlp_odd(tiny, g)
+    else:
+        raise ValueError(name)
+    return Workload(name, module.to(device).train(), (x.to(device),), loss)
+
+
+_TINY_TEXT = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+              "intermediate_size": 64, "vocab_size": 128}
+_TINY_GPT2 = {"n_embd": 32, "n_layer": 2, "n_head": 2, "vocab_size": 128, "n_positions": 64}
+_TINY_RESNET = {"embedding_size": 8, "hidden_sizes": [16, 32], "depths": [1, 1],
+                "num_labels": 10}
+
+
+@dataclass
+class Prepared:
+    """One variant's model, its training step and its forward call."""
+
+    model: Callable[..., torch.Tensor]
+    step: Callable[[], torch.Tensor]
+    forward: Callable[[], torch.Tensor]
+    amp: AmpOptimizer | None
+    prep_s: float
+
+
+def prepare(variant: str, work: Workload, dtype: torch.dtype, compile_: bool,
+            device: torch.device) -> Prepared:
+    """``variant`` on its own copy of the model and optimizer."""
+    module = copy.deepcopy(work.module)
+    start = time.perf_counter()
+    if variant in REWRITE_OPTIONS:
+        module = amp_rewrite.rewrite(module, work.inputs, dtype=dtype,
+                                     **REWRITE_OPTIONS[variant])
+    prep_s = time.perf_counter() - start
+    model = torch.compile(module) if compile_ else module
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4, fused=device.type == "cuda")
+    amp = AmpOptimizer(optimizer, dtype=dtype) if variant in REWRITE_OPTIONS else None
+    step = _train_step(variant, model, work, dtype, device, optimizer, amp)
+
+    @torch.no_grad()
+    def forward() -> torch.Tensor:
+        with torch.autocast(device.type, dtype=dtype, enabled=variant == "autocast"):
+            return model(*work.inputs)
+    return Prepared(model, step, forward, amp, prep_s)
+
+
+def _train_step(variant: str, model: Callable, work: Workload, dtype: torch.dtype,
+                device: torch.device, optimizer: torch.optim.Optimizer,
+                amp: AmpOptimizer | None) -> Callable[[], torch.Tensor]:
+    if variant == "fp32":
+        def step() -> torch.Tensor:
+            loss = work.loss(model(*work.inputs))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss
+    elif variant == "autocast":
+        scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+
+        def step() -> torch.Tensor:
+            with torch.autocast(device.type, dtype=dtype):
+                logits = model(*work.inputs)
+            loss = work.loss(logits)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            return loss
+    else:
+        def step() -> torch.Tensor:
+            loss = work.loss(model(*work.inputs))
+            amp.backward(loss)
+            amp.step()
+            amp.zero_grad()
+            return loss
+    return step
+
+
+def measure(call: Callable[[], object], device: torch.device, warmup: int,
+            steps: int) -> dict:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    start = time.perf_counter()
+    for _ in range(warmup):
+        call()
+    sync()
+    warmup_s = time.perf_counter() - start
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(steps):
+        sync()
+        start = time.perf_counter()
+        call()
+        sync()
+        times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return {"ms": 1000 * statistics.median(times), "peak_mib": peak and peak / 2**20,
+            "warmup_s": warmup_s}
+
+
+def sync_free_step(prepared: Prepared, work: Workload, device: torch.device) -> bool | str:
+    """Whether ``AmpOptimizer.step()`` runs without a host sync (CUDA's sync debug mode)."""
+    if device.type != "cuda" or prepared.amp is None:
+        return "n/a"
+    prepared.amp.backward(work.loss(prepared.model(*work.inputs)))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        prepared.amp.step()
+        return True
+    except RuntimeError as error:
+        return f"synchronised: {str(error).splitlines()[0]}"
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        prepared.amp.zero_grad()
+
+
+def run_all(args: argparse.Namespace, device: torch.device) -> list[dict]:
+    out = Path(args.json)
+    earlier = json.loads(out.read_text())["rows"] if out.exists() else []
+    rows = []
+    compiles = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
+    for name in args.models:
+        work = build(name, args.tiny, device)
+        for compile_ in compiles:
+            for variant in args.variants:
+                rows.extend(_run_variant(args, work, variant, compile_, device))
+                _save(out, [*earlier, *rows], args, device)
+    return rows
+
+
+def _run_variant(args: argparse.Namespace, work: Workload, variant: str, compile_: bool,
+                 device: torch.device) -> list[dict]:
+    head = {"model": work.name, "variant": variant, "compile": compile_, "dtype": args.dtype}
+    rows = []
+    try:
+        prepared = prepare(variant, work, DTYPES[args.dtype], compile_, device)
+        for phase in args.phases:
+            row = {**head, "phase": phase, "prep_s": round(prepared.prep_s, 3)}
+            if phase == "train":
+                row["loss0"] = float(prepared.step().detach())
+                row.update(measure(prepared.step, device, args.warmup, args.steps))
+                row["sync_free"] = sync_free_step(prepared, work, device)
+            else:
+                row.update(measure(prepared.forward, device, args.warmup, args.steps))
+            rows.append(row)
+            print(_format(row), flush=True)
+    except Exception as error:  # noqa: BLE001 - a benchmark row records any failure and goes on
+        row = {**head, "error": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"}
+        rows.append(row)
+        print(_format(row), flush=True)
+    finally:
+        if compile_:  # every _Logits shares one forward code object: no stale guards
+            torch._dynamo.reset()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _format(row: dict) -> str:
+    head = (f"{row['model']:9s} {row['variant']:19s} "
+            f"{'compiled' if row['compile'] else 'eager':9s} {row.get('phase', ''):8s}")
+    if "error" in row:
+        return f"{head} {row['error']}"
+    peak = f"{row['peak_mib']:10.0f}" if row["peak_mib"] is not None else f"{'n/a':>10s}"
+    return (f"{head} {row['ms']:10.2f} {peak} {row['prep_s']:7.1f} {row['warmup_s']:7.1f}"
+            f" {row.get('loss0', float('nan')):9.4f} {row.get('sync_free', '')}")
+
+
+def _save(out: Path, rows: list[dict], args: argparse.Namespace, device: torch.device) -> None:
+    """Written after every variant (a killed run keeps its rows); rows of earlier runs into
+    the same file are kept, so runs of one model each can share it."""
+    meta = {"torch": torch.__version__, "device": torch.cuda.get_device_name(device)
+            if device.type == "cuda" else platform.processor() or platform.machine(),
+            "steps": args.steps, "warmup": args.warmup, "tiny": args.tiny}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    tmp.replace(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--dtype", default="fp16", choices=list(DTYPES))
+    parser.add_argument("--phases", nargs="+", default=["train"], choices=["train", "forward"])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--compile", default="both", choices=["off", "on", "both"])
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--tiny", action="store_true", help="tiny configs (smoke test)")
+    parser.add_argument("--json", default="results/bench_gpu_training.json")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("CUDA is not available: this benchmark needs a GPU; nothing was measured.")
+        return 0
+    logging.basicConfig(level=logging.ERROR)
+    warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+    device = torch.device(args.device)
+    print(f"{'model':9s} {'variant':19s} {'mode':9s} {'phase':8s} {'ms':>10s} {'peak MiB':>10s}"
+          f" {'prep s':>7s} {'warm s':>7s} {'loss0':>9s} sync-free")
+    run_all(args, device)
+    print(f"wrote {args.json}")
+    return 0

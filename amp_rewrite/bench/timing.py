@@ -1,0 +1,56 @@
+"""Timing shared by the benchmarks: the host probe and round-robin repeats.
+
+The shared host's speed varies up to 2x over minutes. Converters are therefore compared
+within one round (each round times every candidate once, in turn, so a drift hits all of
+them alike), and every round starts with :func:`host_probe`, a fixed pure-Python loop whose
+time says how fast the host was for that round.
+"""
+from __future__ import annotations
+
+import platform
+import sys
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+PROBE_ITERATIONS = 10_000_000
+
+
+def host_probe() -> float:
+    """Seconds for a fixed pure-Python loop: the host's speed at this moment (lower is faster)."""
+    start, total = time.perf_counter(), 0
+    for i in range(PROBE_ITERATIONS):
+        total += i
+    return time.perf_counter() - start
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    """(seconds, result) of ``fn()``."""
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+def round_robin(candidates: Mapping[str, Callable[[], Any]], repeats: int
+                ) -> tuple[dict[str, list[float]], dict[str, Any], list[float]]:
+    """Seconds per candidate and round, the last result of each, and one host probe per round."""
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    results: dict[str, Any] = {}
+    probes = []
+    for _ in range(repeats):
+        probes.append(host_probe())
+        for name, fn in candidates.items():
+            seconds, results[name] = timed(fn)
+            times[name].append(seconds)
+    return times, results, probes
+
+
+def probe_line(probes: list[float], per: str = "round") -> str:
+    return (f"host probe ({PROBE_ITERATIONS:,}-step Python loop, per {per}): "
+            f"{min(probes):.3f} to {max(probes):.3f} s")
+
+
+def machine() -> dict[str, str]:
+    """What ran the benchmark, for its JSON."""
+    return {"python": sys.version.split()[0], "machine": platform.platform(),
+            "processor": platform.processor() or platform.machine()}
