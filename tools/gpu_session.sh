@@ -20,19 +20,19 @@ section() {
   timeout -s INT -k 10 "$@"; local rc=$?; echo "=== rc $rc"; return $rc
 }
 # BENCH_EXTRA='--device cpu --tiny' dry-runs the sections on a CPU
-TRAIN="python3 tools/bench_gpu_training.py --out $OUT/train.json ${BENCH_EXTRA:-}"
+TRAIN="python3 -m amp_rewrite.bench gpu train --json $OUT/train.json ${BENCH_EXTRA:-}"
 { nvidia-smi -L; nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,power.limit --format=csv
   python3 -c "import torch, transformers, onnx, onnx_ir, ortools; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'onnx_ir', onnx_ir.__version__, 'ortools', ortools.__version__)"
   nproc; } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 # fail fast: a tiny model through every variant on CUDA
 section "smoke" 90 $TRAIN --tiny --models gpt2 --compile off --steps 2 --warmup 1 \
-    --out "$OUT/smoke.json" || exit 1
+    --json "$OUT/smoke.json" || exit 1
 if [ ! -s "$OUT/smoke.json" ] || grep -q '"error"' "$OUT/smoke.json"; then
   echo "smoke test failed"; cat "$OUT/smoke.json"; exit 1
 fi
 # recheck: only what changed since the last measured run (the mask pass, compiled paths)
-[ "$MODE" = recheck ] || section "gemm" 60 python3 tools/bench_gpu_gemm.py --out "$OUT/gemm.json"
+[ "$MODE" = recheck ] || section "gemm" 60 python3 -m amp_rewrite.bench gpu gemm --json "$OUT/gemm.json"
 eager() {
   section "eager fp16 $1" 110 $TRAIN --models $1 --compile off --phases train forward \
       --steps 10 --warmup 3
@@ -43,8 +43,8 @@ compiled() {
 }
 eager bert
 # where a BERT step's time goes (the attention kernel chosen, host vs device time)
-section "profile bert" 60 python3 tools/profile_gpu_step.py --models bert \
-    --variants autocast amp_rewrite --out "$OUT/profile.json"
+section "profile bert" 60 python3 -m amp_rewrite.bench gpu profile --models bert \
+    --variants autocast amp_rewrite --json "$OUT/profile.json"
 eager gpt2
 bf16() {
   section "eager bf16 bert gpt2" 120 $TRAIN --models bert gpt2 --dtype bf16 --compile off \

@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     total = time.perf_counter()
     for name in args.names:
         try:
-            rows.append(check_model(name, args.json_dir, args.opset))
+            rows.append(check_model(name, args.out_dir, args.opset))
         except Exception as e:  # keep going: one broken model should not hide the others
             log.exception("model %s failed", name)
             rows.append({"name": name, "error": f"{type(e).__name__}: {e}"})

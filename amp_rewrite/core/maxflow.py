@@ -11,7 +11,7 @@ directly (``get_sink_side_min_cut``). ``scipy.sparse.csgraph.maximum_flow`` take
 capacities only, far below the cast weights (a cast byte weighs 2**20 traffic bytes;
 capacities reach 2**45 on a 50k-node chain), and silently wraps larger ones. PyMaxflow
 (Boykov-Kolmogorov) labels nodes that neither search tree reaches as source side, a different
-minimum cut than networkx's on ties. Measured in ``tools/bench_onnx_speed.py`` notes.
+minimum cut than networkx's on ties. Measured with ``python -m amp_rewrite.bench mincut``.
 
 Arithmetic stays exact: infinite arcs get the sum of all finite capacities plus one (more than
 any cut without them, so never cut), and a network whose sums could leave int64 is solved by

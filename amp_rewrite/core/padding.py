@@ -141,7 +141,7 @@ class PadPolicy:
     * ``misaligned_slowdown`` = 1.6: time of a misaligned GEMM over the same GEMM padded,
       measured on an H100 (issue 15: −38% time after padding, 1/0.62); applied to the whole
       roofline time (misaligned rows also forbid 16-byte vector loads). Conservative: on an
-      H200 (``tools/bench_gpu_gemm.py``, 2026-11-26) compute-bound GEMMs with K and/or N odd
+      H200 (``python -m amp_rewrite.bench gpu gemm``, 2026-11-26) compute-bound GEMMs with K and/or N odd
       ran 4.9-5.9x slower than padded (MLP 8192x4095x11007: 140 vs 692 useful TFLOP/s; GPT-2's
       LM head 4096x768x50257: 122 vs 624), so those pad under either figure; memory-bound
       misaligned GEMMs, where the runtime copies decide, were not measured, and a larger

@@ -2,7 +2,7 @@
 
 Why: traced, a ``transformers`` model builds its "no padding" mask as a boolean tensor, for
 example ``expand(arange(S) + 0 >= 0)`` with a zero stride in its last dim, where eager code
-passes no mask at all. Measured on an H200 (``tools/profile_gpu_step.py``, BERT-base 32x128,
+passes no mask at all. Measured on an H200 (``python -m amp_rewrite.bench gpu profile``, BERT-base 32x128,
 2026-11-26): with that mask PyTorch picked the math attention kernel, which computes fp16
 attention in float32 (24 fp32 GEMMs, fp32 softmax and dropout per step: +5.4 ms of a 12.4 ms
 step's kernels), while autocast's eager step, given no mask, ran cuDNN's flash attention.

@@ -141,10 +141,10 @@ def test_bounded_cos_sin_cast_kv_before_head_repeat(name, monkeypatch):
     dtypes = {o: t for n, ts in deployed.node_dtypes(model) for o, t in zip(n.output, ts)}
     producer = {o: n for n in model.graph.node for o in n.output}
     cos = next(n for n in model.graph.node if n.op_type == "Cos")
-    concat = producer[cos.input[0]]
-    angle = producer[concat.input[0]]  # position · inv_freq
-    assert (concat.op_type, angle.op_type) == ("Concat", "Mul")
-    for node in (cos, concat, angle):
+    rows = producer[cos.input[0]]  # the RoPE cache's rows: Reshape(angles, (-1, E))
+    angle = producer[rows.input[0]]  # position · inv_freq
+    assert (rows.op_type, angle.op_type) == ("Reshape", "Mul")
+    for node in (cos, rows, angle):
         assert dtypes[node.output[0]] == onnx.TensorProto.FLOAT, node.op_type
     low, total = deployed.low_share(model)
     monkeypatch.setenv("AMP_REWRITE_BOUNDED_OUTPUT_REMOVE", "Sin,Cos")
@@ -174,3 +174,95 @@ def test_shapeless_movement_output_costs_its_input():
     y.dtype, y.shape = ir.DataType.FLOAT, None
     view = build_view(model, LowDtype.FLOAT16)
     assert view.graph.value(y).nbytes == 2 * 4 * 8 * 16 * 4
+
+
+# -- RoPE → com.microsoft::RotaryEmbedding (fusion/decoding.py) ------------------------------
+
+def _rope_independent(x, cos, sin, interleaved):
+    """RoPE as transformers writes it (torch, float64): x·cos + rotate(x)·sin with full-width
+    tables; ``cos``/``sin`` are (B, S, rotary/2), ``x`` (B, N, S, H)."""
+    import torch
+
+    x, cos, sin = (torch.from_numpy(np.asarray(a, np.float64)) for a in (x, cos, sin))
+    rotary = 2 * cos.shape[-1]
+    xr, rest = x[..., :rotary], x[..., rotary:]
+    if interleaved:
+        cos_f = cos.repeat_interleave(2, dim=-1)[:, None]
+        sin_f = sin.repeat_interleave(2, dim=-1)[:, None]
+        rot = torch.stack((-xr[..., 1::2], xr[..., 0::2]), dim=-1).flatten(-2)
+    else:
+        cos_f, sin_f = torch.cat((cos, cos), -1)[:, None], torch.cat((sin, sin), -1)[:, None]
+        half = rotary // 2
+        rot = torch.cat((-xr[..., half:], xr[..., :half]), dim=-1)
+    return torch.cat((xr * cos_f + rot * sin_f, rest), dim=-1).numpy()
+
+
+@pytest.mark.parametrize("interleaved", [0, 1])
+@pytest.mark.parametrize("layout", ["bnsh", "bsd"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("partial", [False, True])
+def test_rotary_reference_kernel_matches_independent_rope_and_ort(interleaved, layout, dtype,
+                                                                  partial):
+    import onnxruntime as ort
+    from onnx import helper
+
+    from amp_rewrite.onnx.validate import reference_evaluator
+
+    b, n, s, h, max_pos = 2, 3, 5, 16, 40
+    rotary = 8 if partial else h
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((b, n, s, h)).astype(dtype)
+    pos = rng.integers(0, max_pos, (b, s)).astype(np.int64)
+    angles = (np.arange(max_pos)[:, None] * 10000.0 ** (-np.arange(rotary // 2) / (rotary // 2)))
+    cos_cache, sin_cache = np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
+    expect = _rope_independent(x, cos_cache[pos], sin_cache[pos], interleaved)
+    feed_x = x if layout == "bnsh" else x.transpose(0, 2, 1, 3).reshape(b, s, n * h)
+    if layout == "bsd":
+        expect = expect.transpose(0, 2, 1, 3).reshape(b, s, n * h)
+    attrs = {"interleaved": interleaved}
+    if partial:
+        attrs.update(rotary_embedding_dim=rotary, num_heads=n)
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    node = helper.make_node("RotaryEmbedding", ["x", "pos", "cos", "sin"], ["y"],
+                            domain="com.microsoft", **attrs)
+    graph = helper.make_graph(
+        [node], "rope",
+        [helper.make_tensor_value_info("x", elem, feed_x.shape),
+         helper.make_tensor_value_info("pos", onnx.TensorProto.INT64, pos.shape),
+         helper.make_tensor_value_info("cos", elem, cos_cache.shape),
+         helper.make_tensor_value_info("sin", elem, sin_cache.shape)],
+        [helper.make_tensor_value_info("y", elem, feed_x.shape)])
+    model = helper.make_model(graph, ir_version=9, opset_imports=[helper.make_opsetid("", 18),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    feeds = {"x": feed_x, "pos": pos, "cos": cos_cache, "sin": sin_cache}
+    got = reference_evaluator(model).run(None, feeds)[0]
+    assert got.dtype == dtype
+    tol = 1e-6 if dtype == np.float32 else 2e-3  # fp16: one rounding of |y| <= ~4
+    np.testing.assert_allclose(got.astype(np.float64), expect, rtol=0, atol=tol * 4)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    ort_y = session.run(None, feeds)[0]
+    np.testing.assert_allclose(got.astype(np.float64), ort_y.astype(np.float64), rtol=0,
+                               atol=tol * 4)
+
+
+@pytest.mark.parametrize("name", ["llama-decode", "llama-prefill", "qwen2-decode",
+                                  "qwen2-prefill"])
+def test_rope_fuses_to_rotary_embedding_with_fp32_angles(name):
+    """Every layer's Q and K rotation becomes com.microsoft::RotaryEmbedding (2 layers × Q, K)
+    reading one shared per-token cache whose angles and Cos/Sin stay fp32."""
+    from amp_rewrite.onnx.api import rewrite_onnx_model
+
+    result = rewrite_onnx_model(decoders.cached_decoder(name))
+    fused = result.report["fused"]
+    assert fused.get("com.microsoft::RotaryEmbedding") == 2 * decoders.LAYERS, fused
+    assert fused.get("com.microsoft::MultiHeadAttention") == decoders.LAYERS, fused
+    assert result.report["fusion_rules"].get("amp_rewrite.rotary_embedding") == 4
+    model = result.model
+    ropes = [n for n in model.graph if n.op_type == "RotaryEmbedding"]
+    assert len(ropes) == 2 * decoders.LAYERS and {n.domain for n in ropes} == {"com.microsoft"}
+    assert len({id(n.inputs[2]) for n in ropes}) == 1  # one cos cache for all of them
+    assert sum(n.op_type == "Cos" for n in model.graph) == 1
+    cos = next(n for n in model.graph if n.op_type == "Cos")
+    assert cos.outputs[0].dtype.name == "FLOAT" and cos.inputs[0].dtype.name == "FLOAT"
+    assert {n.inputs[0].dtype.name for n in ropes} == {"FLOAT16"}
+    assert not any(n.op_type == "Neg" for n in model.graph)  # no rotate_half left
