@@ -185,6 +185,8 @@ def _list_rules(args) -> int:
              else load_rules("onnx", args.rules, known_ops=known_op_keys()))
     for entry in rules.entries():
         print(f"{entry.op_class.value:6} {entry.op:40} {entry.reason}  [{entry.source}]")
+    for entry in rules.bounded_entries():
+        print(f"{'bounded':6} {entry.op:40} {entry.reason}  [{entry.source}]")
     return 0
 
 

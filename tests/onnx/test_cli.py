@@ -357,6 +357,14 @@ def test_list_rules_shows_sources(monkeypatch, capsys):
     assert "onnx.toml" in next(l for l in out.splitlines() if " MatMul " in l)
 
 
+def test_list_rules_shows_bounded_outputs(monkeypatch, capsys):
+    monkeypatch.setenv("AMP_REWRITE_BOUNDED_OUTPUT_ADD", "Tanh")
+    code, out, _ = run_cli(["--list-rules"], capsys)
+    bounded = {l.split()[1]: l for l in out.splitlines() if l.startswith("bounded")}
+    assert code == 0 and {"Sin", "Cos", "Tanh"} <= set(bounded)
+    assert "$AMP_REWRITE_BOUNDED_OUTPUT_ADD" in bounded["Tanh"]
+
+
 def test_console_script_exit_code(tmp_path):
     """The installed entry point itself: a subprocess, exit code 3, one stderr line."""
     exe = Path(sys.executable).with_name("amp-rewrite")
