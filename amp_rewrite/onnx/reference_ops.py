@@ -183,8 +183,57 @@ class MultiHeadAttention(OpRun):
         return scores
 
 
+class RotaryEmbedding(OpRun):
+    """onnxruntime's RoPE: (B, N, S, H) or (B, S, N·H) input, ``position_ids`` (B, S) or a
+    one-element start offset, ``cos_cache``/``sin_cache`` (max_position, rotary_dim / 2).
+    The first ``rotary_dim`` features of each head rotate as halves (``interleaved=0``) or as
+    adjacent pairs (``interleaved=1``); the rest pass through. Packed batching and a custom
+    ``scale`` are refused rather than guessed."""
+
+    op_domain = MS_DOMAIN
+
+    def _run(self, x, position_ids, cos_cache, sin_cache, interleaved=None, num_heads=None,
+             rotary_embedding_dim=None, scale=None, is_packed_batching=None):
+        if is_packed_batching or (scale not in (None, 1.0)):
+            raise NotImplementedError("RotaryEmbedding reference: no packed batching or scale")
+        half = cos_cache.shape[-1]
+        rotary = int(rotary_embedding_dim or 0) or 2 * half
+        if rotary != 2 * half:
+            raise ValueError(f"rotary_embedding_dim {rotary} != 2 x cos_cache width {half}")
+        v = _f32(x)
+        if v.ndim == 3:  # (B, S, N·H) -> (B, N, S, H)
+            b, s, hidden = v.shape
+            heads = int(num_heads or 0) or hidden // rotary
+            v = v.reshape(b, s, heads, hidden // heads).transpose(0, 2, 1, 3)
+        elif v.ndim != 4:
+            raise ValueError(f"RotaryEmbedding input must be 3-D or 4-D, got {v.shape}")
+        b, _, s, _ = v.shape
+        pos = np.asarray(position_ids).astype(np.int64)
+        if pos.size == 1:
+            pos = np.broadcast_to(pos.reshape(()) + np.arange(s, dtype=np.int64), (b, s))
+        if pos.shape != (b, s):
+            raise ValueError(f"position_ids shape {pos.shape} is not (batch, sequence) {(b, s)}")
+        if pos.min() < 0 or pos.max() >= cos_cache.shape[0]:
+            raise ValueError("position_ids outside the cos/sin cache")
+        cos = _f32(cos_cache)[pos][:, None]  # (B, 1, S, half)
+        sin = _f32(sin_cache)[pos][:, None]
+        out = v.copy()
+        if interleaved:
+            a, c = v[..., 0:rotary:2], v[..., 1:rotary:2]
+            out[..., 0:rotary:2] = a * cos - c * sin
+            out[..., 1:rotary:2] = c * cos + a * sin
+        else:
+            a, c = v[..., :half], v[..., half:rotary]
+            out[..., :half] = a * cos - c * sin
+            out[..., half:rotary] = c * cos + a * sin
+        if x.ndim == 3:
+            out = out.transpose(0, 2, 1, 3).reshape(x.shape)
+        return (out.astype(x.dtype),)
+
+
 #: Every contrib op the fusion step can emit (tests check the list against fusion.FUSED_OPS).
 CONTRIB_OPS: tuple[type[OpRun], ...] = (
     Gelu, FastGelu, BiasGelu, QuickGelu, SkipLayerNormalization,
     SkipSimplifiedLayerNormalization, SimplifiedLayerNormalization, MultiHeadAttention,
+    RotaryEmbedding,
 )

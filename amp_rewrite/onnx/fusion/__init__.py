@@ -25,7 +25,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
 from amp_rewrite.errors import UsageError
-from amp_rewrite.onnx import io
+from amp_rewrite.onnx.load import model_graphs, unlink_graph
 from amp_rewrite.onnx.fusion.schemas import register_default_domain_contrib_ops, runtime_schema
 
 logger = logging.getLogger(__name__)
@@ -40,12 +40,12 @@ FUSED_OPS = frozenset({
     "SimplifiedLayerNormalization",
     *(f"{MS_DOMAIN}::{op}" for op in (
         "Gelu", "FastGelu", "BiasGelu", "QuickGelu", "SkipLayerNormalization",
-        "SkipSimplifiedLayerNormalization", "MultiHeadAttention")),
+        "SkipSimplifiedLayerNormalization", "MultiHeadAttention", "RotaryEmbedding")),
 })
 # Fused ops whose first output has the shape of the first input.
 _SHAPE_OF_INPUT0 = {"LayerNormalization", "RMSNormalization", "Gelu", "FastGelu", "BiasGelu",
                     "QuickGelu", "SimplifiedLayerNormalization", "SkipLayerNormalization",
-                    "SkipSimplifiedLayerNormalization"}
+                    "SkipSimplifiedLayerNormalization", "RotaryEmbedding"}
 
 register_default_domain_contrib_ops()
 
@@ -95,7 +95,7 @@ def _ort_steps() -> list[FusionStep]:
     )
     from onnxscript.rewriter.rules.fusion import _layer_norm
 
-    from amp_rewrite.onnx.fusion import canonical
+    from amp_rewrite.onnx.fusion import canonical, decoding
     from amp_rewrite.onnx.fusion import rules as own
 
     return [
@@ -113,6 +113,9 @@ def _ort_steps() -> list[FusionStep]:
                    lambda: skip_normalization.skip_rms_normalization_ruleset),
         FusionStep("ort_fusions.bias_gelu", _ops("Gelu"), lambda: bias_gelu.bias_gelu_rules),
         FusionStep("amp_rewrite.fast_gelu_bias", _ops("FastGelu"), own.fast_gelu_bias_rules),
+        # RoPE before attention: the SDPA/GQA patterns read the rotated Q and K.
+        FusionStep("amp_rewrite.rotary_embedding", _ops("Cos"), decoding.rotary_rules,
+                   wanted=decoding.has_rotary_tables),
         FusionStep("amp_rewrite.key_transpose", _ops("Transpose"), canonical.key_transpose_rules,
                    rounds=1, wanted=_softmax_feeds_matmul),
         # SDPA is an intermediate function call; the next step turns it into
@@ -159,9 +162,9 @@ def fusion_steps(target: str, opset: int) -> list[FusionStep]:
 
 
 def _all_nodes(model: ir.Model) -> list[ir.Node]:
-    """Every node of the graph and its subgraphs (``io.model_graphs``: one list for a model
+    """Every node of the graph and its subgraphs (``model_graphs``: one list for a model
     without subgraphs, 3x cheaper than onnx_ir's recursive iterator)."""
-    return [n for g in io.model_graphs(model) for n in g]
+    return [n for g in model_graphs(model) for n in g]
 
 
 class FusionPass(ir.passes.InPlacePass):
@@ -243,7 +246,7 @@ def _finish(model: ir.Model) -> None:
         common_passes.InlinePass()(model)
     for key in [k for k, f in model.functions.items() if f.domain == _SDPA_DOMAIN]:
         function = model.functions.pop(key)
-        io._unlink_graph(function.graph)  # see io.release
+        unlink_graph(function.graph)  # see load.release
         function.attributes._owner = None
     model.opset_imports.pop(_SDPA_DOMAIN, None)
     if any(n.domain == MS_DOMAIN for n in _all_nodes(model)):
@@ -328,7 +331,7 @@ def _dangling_input(model: ir.Model) -> str | None:
     """A description of the first node input that no node, graph input or initializer of
     the model provides (a half-applied rewrite), else None. Subgraphs read outer values, so
     all graphs provide for all: an O(nodes) check that misses only cross-branch reads."""
-    graphs = io.model_graphs(model)
+    graphs = model_graphs(model)
     provided = set()
     for graph in graphs:
         provided.update(id(v) for v in graph.inputs)
@@ -361,7 +364,7 @@ def _forget_matches(rules) -> None:
 def _unlink(nodes: list[ir.Node]) -> None:
     """Cut the node <-> value and node <-> attribute cycles of nodes the rewrite dropped, so
     reference counting frees them (the rewrite runs with the cyclic collector paused; see
-    ``io.release``)."""
+    ``load.release``)."""
     for node in nodes:
         node._inputs = node._outputs = ()
         node._graph = node._attributes._owner = None
