@@ -18,7 +18,7 @@ import torch
 from amp_rewrite import arguments
 from amp_rewrite.core import LowDtype, PadPolicy, RuleSet, load_rules
 from amp_rewrite.core.rules import close_match, default_rules_path
-from amp_rewrite.core.runtime import gc_paused, listed
+from amp_rewrite.runtime import gc_paused, listed
 from amp_rewrite.errors import UsageError
 from amp_rewrite.fx import guards, lowering
 from amp_rewrite.fx.capture import capture as capture_module

@@ -88,6 +88,7 @@ def _positional_landing(module: torch.nn.Module, args: tuple) -> str:
 # causal LM's default); torch.export cannot return a DynamicCache (not a pytree node), and
 # training and evaluating need no cache.
 _CACHE_KEYWORD = "use_cache"
+_ANNOUNCED: set[type] = set()
 
 
 def _without_cache_output(module: torch.nn.Module, kwargs: dict) -> dict:
@@ -102,9 +103,11 @@ def _without_cache_output(module: torch.nn.Module, kwargs: dict) -> dict:
         return kwargs
     if _CACHE_KEYWORD not in parameters:  # encoders take it only through **kwargs, unused
         return kwargs
-    log.info("capturing %s with use_cache=False: torch.export cannot return its key/value "
-             "cache object; pass example_kwargs={'use_cache': ...} to choose",
-             type(module).__name__)
+    if type(module) not in _ANNOUNCED:  # once, not per capture (mode="both" makes two)
+        _ANNOUNCED.add(type(module))
+        log.info("capturing %s with use_cache=False: torch.export cannot return its "
+                 "key/value cache object; pass example_kwargs={'use_cache': ...} to choose",
+                 type(module).__name__)
     return {**kwargs, _CACHE_KEYWORD: False}
 
 

@@ -52,7 +52,7 @@ _COMPOSITES = (aten.rms_norm.default, aten.layer_norm.default)
 
 # On CUDA a region call costs host time that ATen's own launches of the same ops do not: the
 # aot_autograd wrapper and Inductor's Python launchers of its Triton kernels, forward and
-# backward. Measured on an H200 (tools/bench_gpu_training.py and profile_gpu_step.py,
+# backward. Measured on an H200 (``python -m amp_rewrite.bench gpu train`` and ``gpu profile``,
 # 2026-11-26), fusing every region made eager training steps slower by 60-80 µs per region
 # (BERT-base 32x128: 30.7 -> 40.4 ms; GPT-2 small 8x512: 24.7 -> 31.8 ms), the steps being
 # host-bound (BERT: 12.4 ms of kernels in a 22 ms autocast step). A region pays only where
