@@ -209,8 +209,8 @@ class _RunPaths:
 
 
 def _rewrite(args) -> int:
-    from amp_rewrite.core.runtime import gc_paused
-    from amp_rewrite.onnx import io
+    from amp_rewrite.onnx.load import release
+    from amp_rewrite.runtime import gc_paused
 
     start = time.perf_counter()
     paths = _check_paths(args)
@@ -230,32 +230,36 @@ def _rewrite(args) -> int:
                 time.perf_counter() - start, paths.report)
         if failure is not None:
             raise failure
-        io.release(result.model)
+        release(result.model, result.info.flat)
         del result
     return 0
 
 
 def _check_paths(args) -> _RunPaths:
     """Every path argument checked before any work; nothing written is something read."""
-    from amp_rewrite.onnx import io
+    from amp_rewrite.onnx import save
+    from amp_rewrite.onnx.load import check_input_path
 
-    model = io.check_input_path(args.model)
-    out = io.check_output_path(args.model, args.output or io.default_output_path(args.model))
+    model = check_input_path(args.model)
+    out = save.check_output_path(args.model,
+                                 args.output or save.default_output_path(args.model))
     report = _check_side_paths(args)
     paths = _RunPaths(model, out, report, _read_paths(args),
                       {"-o": out, **({"--report": report} if report else {})})
-    io.check_path_conflicts(paths.reads, paths.writes)
+    save.check_path_conflicts(paths.reads, paths.writes)
     return paths
 
 
 def _load_and_rewrite(args, paths: _RunPaths, stages):
-    from amp_rewrite.onnx import io
+    from amp_rewrite.onnx import save
     from amp_rewrite.onnx.api import rewrite_onnx_model
+    from amp_rewrite.onnx.load import load_model
 
     stages.step("load")
-    model = io.load_model(paths.model)
-    paths.reads["an external-data file of the input"] = io.external_data_files(model)
-    io.check_path_conflicts(paths.reads, paths.writes)  # still before anything is written
+    model = load_model(paths.model)
+    paths.reads["an external-data file of the input"] = save.external_data_files(model.model,
+                                                                                  model.info)
+    save.check_path_conflicts(paths.reads, paths.writes)  # still before anything is written
     stages.step("rewrite")
     with _input_blamed_if_invalid(paths.model):
         return rewrite_onnx_model(model, dtype=args.dtype, keep_io_types=args.keep_io_types,
@@ -323,7 +327,7 @@ def _read_paths(args) -> dict[str, list[str]]:
 
 def _check_side_paths(args) -> Path | None:
     """Fail before any work, so a bad side argument never costs a rewrite."""
-    from amp_rewrite.onnx import io
+    from amp_rewrite.onnx import save
 
     if args.threshold is not None and not args.threshold > 0:
         raise UsageError(f"--threshold must be a magnitude > 0, got {args.threshold:g}")
@@ -333,7 +337,7 @@ def _check_side_paths(args) -> Path | None:
         raise UsageError(f"--calibrate {args.calibrate}: no such file")
     if not args.report:
         return None
-    io.check_writable_file(args.report, "--report")
+    save.check_writable_file(args.report, "--report")
     return Path(args.report)
 
 
@@ -341,13 +345,12 @@ def _validate(args, result):
     import onnx
 
     from amp_rewrite.core import LowDtype
-    from amp_rewrite.onnx import validate
-
-    from amp_rewrite.onnx import io
+    from amp_rewrite.onnx import save, validate
 
     fp32 = onnx.load(args.model)
     # the IR of a model with external data still refers to the input's data file
-    mixed = io.proto_with_weights(result.model) if result.needs_external_data else result.proto()
+    mixed = (save.proto_with_weights(result.model, result.info) if result.needs_external_data
+             else result.proto())
     feeds = validate.load_feeds(args.calibrate) if args.calibrate else None
     return validate.validate(fp32, mixed, LowDtype.parse(args.dtype), feeds, args.tolerance)
 
@@ -393,9 +396,9 @@ def _explain(result, name: str) -> None:
 
 
 def _write_json(path: Path, data: dict) -> None:
-    from amp_rewrite.onnx import io
+    from amp_rewrite.onnx import save
 
-    io.write_bytes_atomically(path, json.dumps(data, indent=1, default=str).encode())
+    save.write_bytes_atomically(path, json.dumps(data, indent=1, default=str).encode())
 
 
 def _print_summary(r: dict, args) -> None:

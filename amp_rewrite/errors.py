@@ -45,3 +45,9 @@ class TrainingError(AmpRewriteError, RuntimeError):
     Also a ``RuntimeError``, so code written against ``torch.amp.GradScaler`` (which raises
     ``RuntimeError`` for the same misuse) keeps catching it.
     """
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an error's message (tool errors run to pages), else its type name."""
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__

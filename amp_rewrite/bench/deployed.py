@@ -55,10 +55,10 @@ def relative_error(got: list[np.ndarray], ref: list[np.ndarray]) -> float:
 
 def node_dtypes(model: onnx.ModelProto) -> list[tuple[onnx.NodeProto, list[int]]]:
     """Each main-graph node with its outputs' element types (contrib ops included)."""
-    from amp_rewrite.onnx import io
+    from amp_rewrite.onnx import load as io
     from amp_rewrite.onnx.passes import infer_missing_types
 
-    ir_model = io.load_model(onnx.ModelProto.FromString(model.SerializeToString()))
+    ir_model = io.load_model(onnx.ModelProto.FromString(model.SerializeToString())).model
     infer_missing_types(ir_model)
     out = []
     for node, ir_node in zip(model.graph.node, ir_model.graph, strict=True):

@@ -16,13 +16,13 @@ import statistics
 from amp_rewrite.bench import cli
 from amp_rewrite.bench.chains import build_chain
 from amp_rewrite.bench.timing import round_robin
-from amp_rewrite.onnx import io
+from amp_rewrite.onnx import load as io
 from amp_rewrite.onnx.api import rewrite_onnx
 
 
 def measure(n_nodes: int, repeats: int) -> dict:
     proto = build_chain(n_nodes, "plain")
-    model = io.load_model(proto)
+    model = io.load_model(proto).model
     rewrite_onnx(proto)  # warm-up: first-call imports are not timed
 
     def checks() -> None:

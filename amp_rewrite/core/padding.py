@@ -152,7 +152,9 @@ class PadPolicy:
       useful TFLOP/s; bf16 2.8x): cuDNN has kernels of its own for few channels, which the
       Tensor-Core checklist below predates.
     * ``memory_tbps`` = 3.35: HBM3 bandwidth of the H100 SXM5 80 GB (same whitepaper).
-    * ``symbolic_dim_size`` = 512: size assumed for a symbolic dim without an example size.
+    * ``symbolic_dim_size`` = 512: size assumed for a symbolic dim without an example size
+      (profitability depends on the absolute size, unlike cast costs, whose nominal
+      ``onnx.load.SYMBOLIC_DIM_EXTENT`` only weighs values against each other).
     * ``min_weight_elements`` = 256: ops below it are launch-bound, padding them buys nothing.
     * ``pad_activation_gemms``: let the cost model consider GEMMs whose operands are both
       activations (attention); False refuses them outright.

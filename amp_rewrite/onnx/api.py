@@ -1,6 +1,7 @@
 """Python entry points of the ONNX path (the CLI calls the same functions)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -14,10 +15,11 @@ import onnx
 import onnx_ir as ir
 
 from amp_rewrite.core import LowDtype, PadPolicy
-from amp_rewrite.core.runtime import gc_paused, listed
-from amp_rewrite.errors import ModelError, OutputCheckError
-from amp_rewrite.onnx import io, versions
-from amp_rewrite.onnx.passes import MixedPrecisionPass, OnnxOptions
+from amp_rewrite.errors import ModelError, OutputCheckError, first_line
+from amp_rewrite.onnx import save, versions
+from amp_rewrite.onnx.load import LoadedModel, LoadInfo, Source, load_model, parse_bytes, release
+from amp_rewrite.onnx.passes import MixedPrecisionPass, OnnxOptions, onnx_rules
+from amp_rewrite.runtime import gc_paused, listed
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +28,7 @@ logger = logging.getLogger(__name__)
 class RewriteResult:
     model: ir.Model
     pass_: MixedPrecisionPass
-    had_external_data: bool
+    info: LoadInfo  # what loading learned: source file, weight files, ...
     seconds: float = 0.0
     _proto: onnx.ModelProto | None = None
     _report: dict | None = None
@@ -46,23 +48,23 @@ class RewriteResult:
     def proto(self) -> onnx.ModelProto:
         """The rewritten model as a ModelProto (serialised once)."""
         if self._proto is None:
-            self._proto = io.to_proto(self.model)
+            self._proto = save.to_proto(self.model, self.info)
         return self._proto
 
     @functools.cached_property
     def needs_external_data(self) -> bool:
         """Whether the output must keep its weights in a side file (input had them, or > 1 GB)."""
-        return io.needs_external_data(self.model, self.had_external_data)
+        return save.needs_external_data(self.model, self.info.had_external_data)
 
     def save(self, output: str | os.PathLike, keep: Iterable[str | os.PathLike] = ()) -> Path:
         """Write the model atomically; reuses the checked ModelProto when it fits in one file.
         ``keep``: files the run reads, never removed as stale data files of ``output``.
         Writing over the input model or its weights is a UsageError."""
-        output = io.check_save_target(self.model, output)
-        keep = [*keep, *io.external_data_files(self.model)]
+        output = save.check_save_target(self.model, self.info, output)
+        keep = [*keep, *save.external_data_files(self.model, self.info)]
         if self.needs_external_data:
-            return io.save_model(self.model, output, keep)
-        return io.save_proto(self.proto(), output, keep)
+            return save.save_model(self.model, self.info, output, keep)
+        return save.save_proto(self.proto(), output, keep)
 
 
 def default_threshold(dtype: LowDtype) -> float:
@@ -70,7 +72,7 @@ def default_threshold(dtype: LowDtype) -> float:
     return 4096.0 if dtype is LowDtype.FLOAT16 else 1e37
 
 
-def rewrite_onnx_model(source: str | os.PathLike | onnx.ModelProto | bytes | ir.Model, *,
+def rewrite_onnx_model(source: Source, *,
                        dtype: str | LowDtype = "float16", keep_io_types: bool = True,
                        rules: Iterable[str | os.PathLike] = (), keep_fp32: Iterable[str] = (),
                        calibration_data: Mapping[str, np.ndarray] | str | os.PathLike | None = None,
@@ -99,21 +101,22 @@ def rewrite_onnx_model(source: str | os.PathLike | onnx.ModelProto | bytes | ir.
     start = time.perf_counter()
     low = LowDtype.parse(dtype)
     with gc_paused():
-        model = io.load_model(source)
-        had_external = io.input_had_external_data(model)
+        loaded = load_model(source)
         if opset is not None:
-            model = _converted(model, opset)
-        pinned = _calibrate(source, model, low, calibration_data, calibration_threshold)
+            loaded = _converted(loaded, opset)
+        pinned = _calibrate(loaded, low, calibration_data, calibration_threshold)
         options = _options(low, keep_io_types, rules, keep_fp32, pinned, savings_weight,
                            clamp_constants, pad, fuse, target, low_io)
-        pass_ = MixedPrecisionPass(options)
-        model, conversion = _low_dtype_opset(model, low, pass_.rules, opset, keep_opset)
+        rules_ = onnx_rules(options.rules)
+        loaded, conversion = _low_dtype_opset(loaded, low, rules_, opset, keep_opset)
+        model = loaded.model
+        pass_ = MixedPrecisionPass(options, rules_, loaded.info)
         pass_(model)
-        versions.set_lowest_ir_version(model)
+        versions.set_lowest_ir_version(model, loaded.info.flat)
         advice = pass_.opset_advice()
         if advice:
             logger.warning("%s", advice)
-        result = RewriteResult(model, pass_, had_external, opset_conversion=conversion)
+        result = RewriteResult(model, pass_, loaded.info, opset_conversion=conversion)
         if check:
             _check_output(result, source)
     result.seconds = time.perf_counter() - start
@@ -140,56 +143,56 @@ def rewrite_onnx(model: str | os.PathLike | onnx.ModelProto | bytes,
     """Rewrite an FP32 ONNX model to mixed precision; ``options`` as ``rewrite_onnx_model``."""
     with gc_paused():  # one pause around both: re-enabling triggers a full collection
         if isinstance(model, bytes):
-            model = io._parse_bytes(model)
+            model = parse_bytes(model)
         result = rewrite_onnx_model(model, **options)
         proto = result.proto()
         # The IR never leaves this function: free it before the collector resumes, which
         # would otherwise scan it (~1M objects at 50k nodes) once more.
-        io.release(result.model)
+        release(result.model, result.info.flat)
         del result
     return proto
 
 
-def _low_dtype_opset(model: ir.Model, low: LowDtype, rules, opset: int | None,
-                     keep_opset: bool) -> tuple[ir.Model, str | None]:
+def _low_dtype_opset(loaded: LoadedModel, low: LowDtype, rules, opset: int | None,
+                     keep_opset: bool) -> tuple[LoadedModel, str | None]:
     """bf16 does what the user asked: (the model at the opset where its compute ops admit
     the low dtype, a note saying so) or (the model, None) where nothing is to convert.
     An explicit ``opset`` wins; ``keep_opset`` refuses instead (ModelError); a conversion
     the version converter cannot do leaves the model as it is (with a warning)."""
     from amp_rewrite.core import OpClass
 
-    current = versions.ai_onnx_opset(model.opset_imports)
+    current = versions.ai_onnx_opset(loaded.model.opset_imports)
     if low is not LowDtype.BFLOAT16 or opset is not None or current is None:
-        return model, None
+        return loaded, None
     need = versions.low_dtype_opset(
-        current, versions.default_domain_op_types(model), f"tensor({low.value})",
+        current, versions.default_domain_op_types(loaded.model, loaded.info.flat),
+        f"tensor({low.value})",
         compute=lambda op: rules.class_of(op) in (OpClass.ALLOW, OpClass.GRAY))
     if need is None:
-        return model, None
+        return loaded, None
     target, ops = need
     why = f"{low.value} needs opset {target} for {', '.join(ops)}"
     if keep_opset:
         raise ModelError(f"--dtype bf16: the model is at opset {current} and {why}; drop "
                          "--keep-opset to convert it, or use --dtype fp16")
     try:
-        converted = _converted(model, target)
+        converted = _converted(loaded, target)
     except ModelError as e:
         logger.warning("%s; most compute stays fp32", e)
-        return model, None
+        return loaded, None
     return converted, f"converted opset {current} -> {target} for {low.value} ({why})"
 
 
-def _converted(model: ir.Model, opset: int) -> ir.Model:
-    """``model`` at ``opset``, keeping what loading recorded (source, weight files)."""
-    converted = versions.convert_opset(model, opset)
-    if converted is not model:
-        converted.meta.update(model.meta)
-        converted.meta.pop(io.FLAT, None)  # the converter may write subgraphs: walk again
-        converted.meta.pop(io.TYPED, None)  # and values without a type
-        source = model.meta.get(io.SOURCE_PATH)
-        if source is not None:  # external weights stay beside the input
-            ir.external_data.set_base_dir(converted.graph, Path(source).parent)
-    return converted
+def _converted(loaded: LoadedModel, opset: int) -> LoadedModel:
+    """The model at ``opset``, keeping what loading recorded (source, weight files)."""
+    converted = versions.convert_opset(loaded.model, opset)
+    if converted is loaded.model:
+        return loaded
+    source = loaded.info.source
+    if source is not None:  # external weights stay beside the input
+        ir.external_data.set_base_dir(converted.graph, source.parent)
+    # the converter may write subgraphs and values without a type: walk and infer again
+    return LoadedModel(converted, dataclasses.replace(loaded.info, flat=False, typed=False))
 
 
 def _check_output(result: RewriteResult, source) -> None:
@@ -197,7 +200,7 @@ def _check_output(result: RewriteResult, source) -> None:
     (type inference included) unless the input itself fails it, then the plain check."""
     if result.needs_external_data:
         return  # too large for an in-memory check; save_model checks the file by path
-    _check_proto(result.proto(), source)
+    _check_proto(result.proto(), result.info.source or source)
 
 
 def _check_proto(proto: onnx.ModelProto, source) -> None:
@@ -209,17 +212,17 @@ def _check_proto(proto: onnx.ModelProto, source) -> None:
     input_error = _full_check_error(source)
     if input_error is None:
         raise OutputCheckError(f"internal error: the rewritten model fails the ONNX checker: "
-                               f"{_first_line(error)}") from error
+                               f"{first_line(error)}") from error
     if _UNRUNNABLE in str(input_error):  # a type no kernel takes: no runtime runs the input
-        raise OutputCheckError(f"the input fails the full ONNX check: {_first_line(input_error)}"
+        raise OutputCheckError(f"the input fails the full ONNX check: {first_line(input_error)}"
                                "; fix the model") from input_error
     try:
         onnx.checker.check_model(proto)
     except Exception as e:
         raise OutputCheckError(f"internal error: the rewritten model fails the ONNX checker: "
-                               f"{_first_line(e)}") from e
+                               f"{first_line(e)}") from e
     logger.warning("the output fails the full ONNX check as the input does (%s); it passes "
-                   "the plain check the input passed", _first_line(error))
+                   "the plain check the input passed", first_line(error))
 
 
 # The full check's message for an input type outside an op's type constraint (Exp of int64):
@@ -229,10 +232,8 @@ _UNRUNNABLE = "has unsupported type"
 
 def _full_check_error(source) -> Exception | None:
     """The full check's error on the input as given (run only when the output fails it)."""
-    if isinstance(source, ir.Model):  # already rewritten in place: judge the file it came from
-        source = source.meta.get(io.SOURCE_PATH)
-        if source is None:
-            return None
+    if isinstance(source, (ir.Model, LoadedModel)):  # rewritten in place, and not from a file
+        return None
     if isinstance(source, bytes):
         source = onnx.load_model_from_string(source)
     try:
@@ -243,19 +244,14 @@ def _full_check_error(source) -> Exception | None:
     return None
 
 
-def _first_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return lines[0] if lines else type(e).__name__
-
-
-def _calibrate(source, model: ir.Model, low: LowDtype, data, threshold) -> dict[str, float]:
+def _calibrate(loaded: LoadedModel, low: LowDtype, data, threshold) -> dict[str, float]:
     if data is None:
         return {}
     from amp_rewrite.onnx import validate
 
     threshold = default_threshold(low) if threshold is None else threshold
     feeds = validate.load_feeds(data)
-    maxima = validate.value_maxima(io.proto_with_weights(model), feeds)
+    maxima = validate.value_maxima(save.proto_with_weights(loaded.model, loaded.info), feeds)
     pinned = {name: m for name, m in maxima.items() if m > threshold}
     logger.info("calibration: %d of %d values exceed %.4g", len(pinned), len(maxima), threshold)
     return pinned

@@ -83,7 +83,7 @@ def pad_model(model: ir.Model, policy: PadPolicy | None = None,
             policy.pad_activation_gemms and _activation_gemms(gemms)):
         return stats  # nothing a plan could pad: skip the shape inference below
     if _needs_shapes(gemms):
-        # Loading keeps inferred dtypes and sizes, not shapes (io._with_inferred_facts); the
+        # Loading keeps inferred dtypes and sizes, not shapes (load._add_inferred_facts); the
         # plan needs the shapes around GEMMs/convs, so infer them once more, only here.
         ir.passes.common.ShapeInferencePass(strict_mode=False)(model)
     stats.plan = plan_padding(build_pad_graph(graph, low), policy, runtime_pads=True)

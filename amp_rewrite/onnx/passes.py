@@ -18,7 +18,7 @@ import onnx_ir as ir
 from amp_rewrite.core import (LowDtype, PadPolicy, PrecisionPlan, RuleSet, load_rules,
                               plan_precision)
 from amp_rewrite.core.report import node_records, precision_counts, unlisted_ops
-from amp_rewrite.onnx import io
+from amp_rewrite.onnx.load import LoadInfo, model_graphs
 from amp_rewrite.onnx.apply import ApplyStats, apply_plan
 from amp_rewrite.core.rules import close_match
 from amp_rewrite.onnx.pad import PadStats, pad_model, pad_report
@@ -53,11 +53,14 @@ class OnnxOptions:
 class MixedPrecisionPass(ir.passes.InPlacePass):
     """Rewrite float32 ops to the low dtype with the exact minimum of casts."""
 
-    def __init__(self, options: OnnxOptions, rules: RuleSet | None = None) -> None:
+    def __init__(self, options: OnnxOptions, rules: RuleSet | None = None,
+                 info: LoadInfo | None = None) -> None:
+        """``info``: what loading learned about the model the pass will run on (None: nothing
+        known, every fact is looked up)."""
         super().__init__()
         self.options = options
-        self.rules = rules if rules is not None else load_rules(
-            "onnx", options.rules, known_ops=known_op_keys())
+        self.rules = rules if rules is not None else onnx_rules(options.rules)
+        self.info = info if info is not None else LoadInfo()
         self.view: OnnxView | None = None
         self.plan: PrecisionPlan | None = None
         self.stats: ApplyStats | None = None
@@ -69,14 +72,16 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
         if self.options.fuse:  # DESIGN §4: fuse first, then plan
             self.fusion = FusionPass(self.options.target)
             self.fusion(model)
-        graphs = io.model_graphs(model)  # one walk for both steps
-        typed = model.meta.pop(io.TYPED, False)  # as loaded: fusion may add untyped values
-        if not typed or (self.fusion and self.fusion.rule_hits):
+        graphs = model_graphs(model, self.info.flat)  # one walk for both steps
+        # typed as loaded, and fusion added no untyped value: nothing to infer
+        if not self.info.typed or (self.fusion and self.fusion.rule_hits):
             infer_missing_types(model, graphs)
+        self.info.typed = False  # the pass changed the model: it holds for it no more
         self.view = build_view(model, self.options.dtype,
                                keep_io_types=self.options.keep_io_types, graphs=graphs,
                                clamp_constants=self.options.clamp_constants,
-                               low_io=self.options.low_io)
+                               low_io=self.options.low_io,
+                               inferred_sizes=self.info.inferred_sizes)
         if self.options.low_io:
             self.low_io = low_io_report(model, self.options.low_io)
         self.plan = plan_precision(self.view.graph, self.rules,
@@ -87,7 +92,7 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
         self.stats = apply_plan(model, self.view, self.plan)
         self.pad_stats = (pad_model(model, self.options.pad_policy) if self.options.pad
                           else PadStats())
-        _forget_load_time_types(model)
+        _forget_load_time_types(self.info.untyped)
         return ir.passes.PassResult(model, modified=self.modified
                                     or bool(self.fusion and self.fusion.rule_hits))
 
@@ -241,6 +246,11 @@ def format_bytes_saved(terms: Mapping[str, int], **dims: int) -> str:
     return f"{text} B"
 
 
+def onnx_rules(paths: tuple[str, ...] = ()) -> RuleSet:
+    """The ONNX rule set with the overlays at ``paths``."""
+    return load_rules("onnx", paths, known_ops=known_op_keys())
+
+
 @functools.cache
 def known_op_keys() -> frozenset[str]:
     """Every op ONNX defines, as rule-file keys (``op`` or ``domain::op``): rule overlays
@@ -281,14 +291,13 @@ def _infer_graph(graph: ir.Graph, opsets: dict[str, int]) -> None:
         infer_output_dtypes(n, opset)
 
 
-def _forget_load_time_types(model: ir.Model) -> None:
+def _forget_load_time_types(untyped: set[ir.Value]) -> None:
     """Node outputs the input left untyped go back to untyped, and so do casts of them.
 
     The pass needs every dtype, so loading infers them; writing them all out as value_info
     made serialising and checking a 50k-node output 14% slower, for information any runtime
     infers again. The output describes its values as much as the input did.
     """
-    untyped = model.meta.get(io.UNTYPED_AT_LOAD)
     if not untyped:
         return
     casts = [u.node.outputs[0] for v in untyped for u in v.uses()

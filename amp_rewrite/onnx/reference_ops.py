@@ -231,9 +231,72 @@ class RotaryEmbedding(OpRun):
         return (out.astype(x.dtype),)
 
 
+class GroupQueryAttention(_OmitsOutputs):
+    """onnxruntime's GQA (CPU kernel semantics), the unpacked, rotary-free form: query (B, S,
+    N·H), key/value (B, S, Nkv·H), optional past_key/past_value (B, Nkv, P, H) in BNSH,
+    ``seqlens_k`` (B,) int32 = valid total length − 1 per batch, ``total_sequence_length``
+    an int32 scalar. Per batch b: total_b = seqlens_k[b] + 1; on the first prompt (S equals
+    total_sequence_length) the past is empty, else past_b = total_b − S: present holds
+    past[:past_b] then the S new rows at past_b, zeros after, and is max(P, total) long.
+    Query row s sees keys [0, past_b + s + 1) (causal with the past offset; right padding: a
+    row past total_b sees only the valid keys), query head n reads KV head n // (N / Nkv).
+    Scores, softmax and the weighted sum run in float32; outputs are rounded to the input
+    dtype once. Packed QKV, rotary, local windows, softcap and attention_bias are refused."""
+
+    op_domain = MS_DOMAIN
+
+    def _run(self, query, key=None, value=None, past_key=None, past_value=None, seqlens_k=None,
+             total_sequence_length=None, cos_cache=None, sin_cache=None, *rest,
+             num_heads=None, kv_num_heads=None, scale=None, do_rotary=None,
+             local_window_size=None, softcap=None, **_):
+        if key is None or value is None or query.ndim != 3:
+            raise NotImplementedError("GroupQueryAttention reference: no packed QKV")
+        if do_rotary or cos_cache is not None or (local_window_size not in (None, -1)) \
+                or softcap or any(r is not None for r in rest):
+            raise NotImplementedError(
+                "GroupQueryAttention reference: no rotary, local window, softcap or extras")
+        n, nkv = int(num_heads), int(kv_num_heads)
+        b, s, hidden = query.shape
+        head = hidden // n
+        total = int(np.asarray(total_sequence_length).reshape(()))
+        lens = np.asarray(seqlens_k).astype(np.int64).reshape(b) + 1
+        past = 0 if past_key is None else past_key.shape[2]
+        first_prompt = s == total
+        length = max(past, total)
+        q = _f32(query).reshape(b, s, n, head).transpose(0, 2, 1, 3)
+        new_k = np.asarray(key).reshape(b, s, nkv, head).transpose(0, 2, 1, 3)
+        new_v = np.asarray(value).reshape(b, s, nkv, head).transpose(0, 2, 1, 3)
+        present_k = np.zeros((b, nkv, length, head), dtype=key.dtype)
+        present_v = np.zeros((b, nkv, length, head), dtype=value.dtype)
+        scale = np.float32(1.0 / math.sqrt(head) if not scale else scale)
+        out = np.zeros((b, n, s, head), np.float32)
+        group = n // nkv
+        for i in range(b):
+            past_i = 0 if first_prompt else int(lens[i]) - s
+            if past_i < 0 or past_i > past or past_i + s > length:
+                raise ValueError(f"seqlens_k[{i}] = {lens[i] - 1} does not fit the cache")
+            if past_i:
+                present_k[i, :, :past_i] = past_key[i, :, :past_i]
+                present_v[i, :, :past_i] = past_value[i, :, :past_i]
+            present_k[i, :, past_i:past_i + s] = new_k[i]
+            present_v[i, :, past_i:past_i + s] = new_v[i]
+            valid = min(int(lens[i]), length)
+            keys = _f32(present_k[i, :, :valid]).repeat(group, axis=0)  # (N, T_b, H)
+            values = _f32(present_v[i, :, :valid]).repeat(group, axis=0)
+            scores = np.matmul(q[i], np.swapaxes(keys, -1, -2)) * scale  # (N, S, T_b)
+            seen = np.minimum(past_i + np.arange(s) + 1, valid)  # keys each query row sees
+            scores = np.where(np.arange(valid)[None, :] < seen[:, None], scores, -np.inf)
+            scores = scores - scores.max(axis=-1, keepdims=True)
+            weights = np.exp(scores)
+            weights /= weights.sum(axis=-1, keepdims=True)
+            out[i] = np.matmul(weights, values)
+        result = out.transpose(0, 2, 1, 3).reshape(b, s, n * head).astype(query.dtype)
+        return result, present_k, present_v
+
+
 #: Every contrib op the fusion step can emit (tests check the list against fusion.FUSED_OPS).
 CONTRIB_OPS: tuple[type[OpRun], ...] = (
     Gelu, FastGelu, BiasGelu, QuickGelu, SkipLayerNormalization,
     SkipSimplifiedLayerNormalization, SimplifiedLayerNormalization, MultiHeadAttention,
-    RotaryEmbedding,
+    RotaryEmbedding, GroupQueryAttention,
 )

@@ -18,11 +18,15 @@ import numpy as np
 import onnx
 
 from amp_rewrite.core import LowDtype
-from amp_rewrite.errors import ModelError, UsageError, ValidationError
+from amp_rewrite.errors import ModelError, UsageError, ValidationError, first_line
+from amp_rewrite.onnx.load import text as _text
 
 logger = logging.getLogger(__name__)
 REL_TOLERANCE = {LowDtype.FLOAT16: 1e-2, LowDtype.BFLOAT16: 5e-2}
-SYMBOLIC_DIM = 4
+# Size of a symbolic dim in random validation inputs: small keeps both runs fast, and > 1
+# so that broadcasting and reductions over the dim are exercised. (Sizes assumed for cost
+# estimates are ``load.SYMBOLIC_DIM_EXTENT`` and ``PadPolicy.symbolic_dim_size``.)
+RANDOM_FEED_SYMBOLIC_DIM = 4
 # Random validation inputs above this many bytes in all are refused, not allocated: a model
 # declaring [100000, 100000, 8] would otherwise ask for 596 GiB.
 MAX_RANDOM_FEED_BYTES = 1 << 30
@@ -136,7 +140,8 @@ def _random_spec(inp: onnx.ValueInfoProto) -> tuple[list[int], np.dtype]:
     except Exception as e:  # noqa: BLE001 - sequences, optionals, unknown elem types
         raise ValidationError(f"cannot make a random value for input {inp.name!r} ({e}); "
                               f"{CALIBRATE_HINT}") from None
-    shape = [d.dim_value if d.HasField("dim_value") else SYMBOLIC_DIM for d in t.shape.dim]
+    shape = [d.dim_value if d.HasField("dim_value") else RANDOM_FEED_SYMBOLIC_DIM
+             for d in t.shape.dim]
     if any(d < 0 for d in shape):
         raise ValidationError(f"input {inp.name!r} declares a negative dim {shape}; "
                               f"{CALIBRATE_HINT}")
@@ -221,7 +226,7 @@ def run(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dict[str, np
         sess = session(model)
     except Exception as e:
         if "NOT_IMPLEMENTED" not in str(e):
-            raise ModelError(f"onnxruntime cannot load the model: {_first_line(e)}") from e
+            raise ModelError(f"onnxruntime cannot load the model: {first_line(e)}") from e
         logger.info("onnxruntime lacks a kernel (%s); using onnx.reference", str(e)[:120])
         return reference_run(model, feeds)
     return dict(zip(names, sess.run(None, dict(feeds))))
@@ -265,17 +270,6 @@ def _with_text_io_names(model: onnx.ModelProto) -> onnx.ModelProto:
         n.input[:] = [_text(i) for i in n.input]
         n.output[:] = [_text(o) for o in n.output]
     return fixed
-
-
-def _text(name: str | bytes) -> str:
-    """A name as text: python-protobuf returns invalid UTF-8 as bytes (io._text does the same
-    escaping when the model is loaded for the rewrite)."""
-    return name.decode("utf-8", errors="backslashreplace") if isinstance(name, bytes) else name
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 def reference_run(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -351,7 +345,7 @@ def _run_for_validation(model: onnx.ModelProto, feeds, which: str, origin: str):
     except Exception as e:  # noqa: BLE001 - onnxruntime's errors have no common base
         hint = f"; {CALIBRATE_HINT}" if origin == "random inputs" else ""
         raise ValidationError(f"onnxruntime failed running {which} on {origin} "
-                              f"({_first_line(e)[:300]}){hint}") from None
+                              f"({first_line(e)[:300]}){hint}") from None
 
 
 def value_maxima(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dict[str, float]:
@@ -369,6 +363,6 @@ def value_maxima(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dic
         outputs = session(proto).run([v.name for v in extra], dict(feeds))
     except Exception as e:  # noqa: BLE001 - onnxruntime's errors have no common base
         raise ModelError(f"calibration: onnxruntime failed running the FP32 model on the "
-                         f"calibration data ({_first_line(e)[:300]})") from None
+                         f"calibration data ({first_line(e)[:300]})") from None
     return {v.name: float(np.nanmax(np.abs(o))) if o.size else 0.0
             for v, o in zip(extra, outputs)}

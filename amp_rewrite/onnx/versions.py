@@ -14,7 +14,7 @@ import onnx
 import onnx_ir as ir
 
 from amp_rewrite.errors import ModelError, UsageError
-from amp_rewrite.onnx.io import model_graphs
+from amp_rewrite.onnx.load import model_graphs
 
 logger = logging.getLogger(__name__)
 # Below IR 7 the format differs in ways not visible from opsets or dtypes (IR < 4 wants
@@ -41,9 +41,9 @@ def dtype_ir_version(dtypes: set[ir.DataType]) -> int | None:
     return need
 
 
-def _model_dtypes(model: ir.Model) -> set[ir.DataType]:
+def _model_dtypes(model: ir.Model, flat: bool) -> set[ir.DataType]:
     dtypes = set()
-    for g in model_graphs(model):
+    for g in model_graphs(model, flat):
         values = [*g.inputs, *g.initializers.values()]
         for n in g:  # one walk for outputs and Cast targets
             values.extend(n.outputs)
@@ -53,11 +53,12 @@ def _model_dtypes(model: ir.Model) -> set[ir.DataType]:
     return dtypes
 
 
-def lowest_ir_version(model: ir.Model) -> int:
+def lowest_ir_version(model: ir.Model, flat: bool = False) -> int:
     """The lowest IR version ``model``'s opsets and element types allow, never below
-    min(the model's own, SAFE_FLOOR); the model's own where a feature is too new to judge."""
+    min(the model's own, SAFE_FLOOR); the model's own where a feature is too new to judge.
+    ``flat``: the model has no subgraph (``LoadInfo.flat``)."""
     return lowest_ir_version_for(model.ir_version, model.opset_imports,
-                                 lambda: _model_dtypes(model))
+                                 lambda: _model_dtypes(model, flat))
 
 
 def lowest_ir_version_for(own: int, opset_imports: Mapping[str, int],
@@ -78,9 +79,9 @@ def lowest_ir_version_for(own: int, opset_imports: Mapping[str, int],
     return max(need, min(own, max(need, SAFE_FLOOR)))
 
 
-def set_lowest_ir_version(model: ir.Model) -> bool:
+def set_lowest_ir_version(model: ir.Model, flat: bool = False) -> bool:
     """Lower (or raise, where a conversion needs it) ``model.ir_version``; True if changed."""
-    target = lowest_ir_version(model)
+    target = lowest_ir_version(model, flat)
     if target == model.ir_version:
         return False
     logger.info("IR version %d -> %d (the lowest the model's opsets and types allow)",
@@ -164,9 +165,9 @@ def low_dtype_opset(opset: int, op_types: set[str], low_type: str = "tensor(bflo
     return (target, needed) if needed else None
 
 
-def default_domain_op_types(model: ir.Model) -> set[str]:
+def default_domain_op_types(model: ir.Model, flat: bool = False) -> set[str]:
     """The ai.onnx op types of the model's graphs (subgraphs included)."""
-    return {n.op_type for g in model_graphs(model) for n in g if n.domain in ("", "ai.onnx")}
+    return {n.op_type for g in model_graphs(model, flat) for n in g if n.domain in ("", "ai.onnx")}
 
 
 def ai_onnx_opset(opset_imports: Mapping[str, int]) -> int | None:

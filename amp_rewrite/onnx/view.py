@@ -11,7 +11,7 @@ from __future__ import annotations
 import fnmatch
 import math
 import sys
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 
 import ml_dtypes
@@ -20,7 +20,7 @@ import onnx
 import onnx_ir as ir
 
 from amp_rewrite.core import GroupInfo, LowDtype, Precision, PrecisionGraph
-from amp_rewrite.onnx.io import INFERRED_SIZES, SYMBOLIC_DIM_EXTENT, walk_graphs
+from amp_rewrite.onnx.load import SYMBOLIC_DIM_EXTENT, walk_graphs
 from amp_rewrite.onnx.ports import (CONTROL_FLOW, PortGroup, Tie, body_graphs, control_flow_ties,
                                     is_candidate, node_opset, port_groups, signature,
                                     to_ir_dtype)
@@ -70,12 +70,14 @@ def value_nbytes(value: ir.Value, inferred: dict[str, int | None]) -> int | None
 
 def build_view(model: ir.Model, low: LowDtype, *, keep_io_types: bool = True,
                graphs: list[ir.Graph] | None = None, clamp_constants: bool = False,
-               low_io: tuple[str, ...] = ()) -> OnnxView:
+               low_io: tuple[str, ...] = (),
+               inferred_sizes: Mapping[str, int | None] | None = None) -> OnnxView:
     """The precision view of ``model``; ``graphs``: ``walk_graphs(model.graph)`` if given.
 
     ``clamp_constants``: constants beyond the low dtype's range may be stored clamped (the
     old behaviour, on request only); by default they stay fp32 and so do their readers.
     ``low_io``: name patterns (fnmatch) of main-graph inputs/outputs fixed low (a KV cache).
+    ``inferred_sizes``: fp32 bytes of values without a shape (``LoadInfo.inferred_sizes``).
     """
     graphs = list(walk_graphs(model.graph)) if graphs is None else graphs
     view = OnnxView(PrecisionGraph(), low, graphs, clamp_constants=clamp_constants)
@@ -84,7 +86,7 @@ def build_view(model: ir.Model, low: LowDtype, *, keep_io_types: bool = True,
         view.range_problems = _range_problems(view.small, others, low, view.in_range)
     low_ir = to_ir_dtype(low)
     opsets = view.opsets = dict(model.opset_imports)
-    inferred = model.meta.get(INFERRED_SIZES, {})
+    inferred = inferred_sizes or {}
     sizes = _if_output_sizes(graphs, inferred)
     for g in graphs:
         _add_values(view, g, low_ir, inferred, sizes)

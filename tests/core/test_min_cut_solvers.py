@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 
 from amp_rewrite.core import GroupInfo, LowDtype, Precision, PrecisionGraph, load_rules, maxflow
 from amp_rewrite.core import placement, plan_precision
-from amp_rewrite.onnx import io
+from amp_rewrite.onnx.load import load_model, walk_graphs
 from amp_rewrite.onnx.passes import infer_missing_types
 from amp_rewrite.onnx.view import build_view
 
@@ -91,8 +91,8 @@ def test_overflowing_capacities_fall_back_to_exact_integers():
 
 
 def onnx_graph(model: onnx.ModelProto) -> PrecisionGraph:
-    ir_model = io.load_model(model)
-    graphs = list(io.walk_graphs(ir_model.graph))
+    ir_model = load_model(model).model
+    graphs = list(walk_graphs(ir_model.graph))
     infer_missing_types(ir_model, graphs)
     return build_view(ir_model, LowDtype.FLOAT16, graphs=graphs).graph
 

@@ -10,7 +10,7 @@ import onnx
 import pytest
 
 from amp_rewrite.errors import ModelError, UsageError
-from amp_rewrite.onnx import io, rewrite_onnx, rewrite_onnx_model
+from amp_rewrite.onnx import load, rewrite_onnx, rewrite_onnx_model
 
 from .conftest import IF_CAPTURES_OUTER, parse
 
@@ -85,7 +85,7 @@ def test_release_unlinks_subgraphs_and_captured_values():
     model = parse(IF_CAPTURES_OUTER)
 
     def load_and_release() -> None:
-        assert io.release(io.load_model(model))
+        assert load.release(load.load_model(model).model)
 
     assert ir_garbage(load_and_release) == []
 
@@ -132,15 +132,31 @@ def test_dtype_propagation_runs_only_where_loading_left_a_value_untyped(monkeypa
     model = parse(text)
     fast = rewrite_onnx(model, check=False)
     assert (not calls) is skipped
-    load = io._from_proto
+    real_load = load._from_proto
 
     def load_untyped(*args):  # forces the propagation
-        model = load(*args)
-        model.meta.pop(io.TYPED, None)
-        return model
+        loaded = real_load(*args)
+        loaded.info.typed = False
+        return loaded
 
-    monkeypatch.setattr(io, "_from_proto", load_untyped)
+    monkeypatch.setattr(load, "_from_proto", load_untyped)
     forced = rewrite_onnx(model, check=False)
     assert len(calls) == 1 + (not skipped)
     assert fast.SerializeToString(deterministic=True) == \
         forced.SerializeToString(deterministic=True)
+
+
+def test_load_info_records_the_source_file_and_its_weight_files(tmp_path):
+    """What loading learns travels in ``LoadInfo``, not in the IR: a file's path and data
+    files; an ``ir.Model`` handed in is taken with nothing known about it."""
+    proto = onnx.load(EXAMPLE)
+    path = tmp_path / "m.onnx"
+    onnx.save(proto, path, save_as_external_data=True, all_tensors_to_one_file=True,
+              location="m.data", size_threshold=0)
+    loaded = load.load_model(path)
+    assert loaded.info.source == path and loaded.info.had_external_data
+    assert loaded.info.external_files == [tmp_path / "m.data"]
+    assert load.load_model(loaded) is loaded
+    assert not loaded.model.meta  # nothing of ours rides on the IR
+    bare = load.load_model(loaded.model).info
+    assert bare.source is None and bare.external_files is None and not bare.typed

@@ -1,4 +1,4 @@
-"""Loading a large model checks and infers it in a forked child (``io._loaded``): the rewrite
+"""Loading a large model checks and infers it in a forked child (``load._loaded``): the rewrite
 and every error must be those of the serial path, which ``AMP_REWRITE_FORK=0`` selects."""
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import onnx.helper as oh
 import onnx.numpy_helper as onh
 import pytest
 
-from amp_rewrite.core import runtime
+from amp_rewrite import runtime
 from amp_rewrite.errors import ModelError
-from amp_rewrite.onnx import io
+from amp_rewrite.onnx import load
 from amp_rewrite.onnx.api import rewrite_onnx
 
 T = onnx.TensorProto
@@ -81,8 +81,8 @@ def forks(monkeypatch) -> list[runtime.Background]:
             super()._start()
             started.append(self)
 
-    monkeypatch.setattr(io, "Background", Recorded)
-    monkeypatch.setattr(io, "BACKGROUND_NODES", 1)
+    monkeypatch.setattr(load, "Background", Recorded)
+    monkeypatch.setattr(load, "BACKGROUND_NODES", 1)
     return started
 
 

@@ -227,7 +227,7 @@ def test_checker_invalid_if_model_that_onnxruntime_runs_is_rewritten(tmp_path, u
 
 
 def test_shape_inference_failures_log_one_line_without_traceback(caplog):
-    from amp_rewrite.onnx import io  # noqa: F401 - installs the filter
+    from amp_rewrite.onnx import load  # noqa: F401 - installs the filter
 
     logger = logging.getLogger("onnx_ir.passes.common.shape_inference")
     with caplog.at_level(logging.INFO, logger=logger.name):

@@ -66,9 +66,9 @@ def layer_norm_body(src: str = "x") -> str:
 
 
 def fused(model: onnx.ModelProto, target: str = "ort") -> tuple[onnx.ModelProto, FusionPass]:
-    from amp_rewrite.onnx import io
+    from amp_rewrite.onnx.load import load_model
 
-    m = io.load_model(model)  # shape inference, as the rewrite loads models
+    m = load_model(model).model  # shape inference, as the rewrite loads models
     step = FusionPass(target)
     step(m)
     return ir.to_proto(m), step

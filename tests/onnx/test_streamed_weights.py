@@ -13,7 +13,7 @@ import onnx_ir as ir
 import pytest
 
 from amp_rewrite.errors import ModelError
-from amp_rewrite.onnx import convert, io
+from amp_rewrite.onnx import convert, save
 from amp_rewrite.onnx.api import rewrite_onnx_model
 
 SENTINEL = np.finfo(np.float32).max  # what exporters write for -inf in attention masks
@@ -170,7 +170,7 @@ def test_io_keeps_its_atomic_data_file_name(tmp_path, small_chunks):
     rewrite_onnx_model(_external_model(tmp_path)).save(out)
     names = sorted(p.name for p in out.parent.iterdir())
     assert len(names) == 2 and names[0] == out.name
-    assert names[1].startswith(out.name + ".") and names[1].endswith(io.DATA_SUFFIX)
+    assert names[1].startswith(out.name + ".") and names[1].endswith(save.DATA_SUFFIX)
 
 
 def _bias_chain(with_sentinel: bool) -> onnx.ModelProto:
@@ -215,6 +215,6 @@ def test_streamed_weights_in_memory_equal_the_written_ones(tmp_path, small_chunk
     array built chunk by chunk): the same bytes as the file."""
     result = rewrite_onnx_model(_external_model(tmp_path))
     in_memory = {t.name: onh.to_array(t).tobytes()
-                 for t in io.proto_with_weights(result.model).graph.initializer}
+                 for t in save.proto_with_weights(result.model, result.info).graph.initializer}
     written, _ = _saved_weights(result, tmp_path / "out.onnx")
     assert in_memory == written

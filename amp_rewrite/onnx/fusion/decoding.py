@@ -143,3 +143,402 @@ def has_rotary_tables(nodes: list[ir.Node]) -> bool:
                         u.node.op_type == "Mul" for u in use.node.outputs[0].uses()):
                     return True
     return False
+
+
+# ------------------------------------------------------------------ GroupQueryAttention
+#
+# The attention block of a transformers 5 GQA decoder (SDPA, dynamo export) after the rotary
+# and key-transpose steps, per layer:
+#
+#     k_all = Concat(past_key, k, axis=-2)              # present.{i}.key (decode only)
+#     k_rep = Reshape(Expand(Unsqueeze(k_all, [2]), (B, Hkv, G, T, D)), (B, Hkv·G, T, D))
+#     p     = Softmax(Mul(q, a) @ Mul(Transpose(k_rep, (0, 1, 3, 2)), b) + mask)
+#     p     = Where(IsNaN(p), 0, p)                       # optional NaN guard
+#     y     = Reshape(Transpose([Reshape](p @ v_rep), (0, 2, 1, 3)), (B, S, H·D))
+#
+# with ``mask = Where(causal ∧ padding, 0, fill)``, built from the 2-D ``attention_mask``:
+#
+#     kv      = Unsqueeze…(Range(0, mask.shape[1], 1))               # (1, 1, 1, T) key index
+#     qpos    = Unsqueeze…(Add(arange(S), past_key.shape[2]))        # (1, 1, S, 1); prefill:
+#               Range(0, mask.shape[1], 1) with S = T
+#     causal  = LessOrEqual(kv, qpos)
+#     bidx    = Unsqueeze…(Range(0, mask.shape[0], 1))               # (B, 1, 1, 1)
+#     padding = GatherND(Cast(attention_mask, BOOL), Concat(Unsqueeze(Expand(bidx, s), -1),
+#                                    Unsqueeze(Expand(kv, s), -1), axis=-1))  # s = bcast shape
+#
+# The rule proves each of these from the graph (declining otherwise) and writes one
+# ``GroupQueryAttention(q, k, v, past_key, past_value, seqlens_k, total_sequence_length)``
+# in BSD, ``do_rotary=0``, whose present outputs replace the Concats, so the head repeat and
+# the explicit cache Concat go. ``seqlens_k = ReduceSum(attention_mask != 0, 1) − 1`` (int32)
+# and ``total_sequence_length = attention_mask.shape[1]`` (int32 scalar).
+#
+# Runtime contract (GQA's kernel, not provable from the graph: the mask is an input): a
+# batch row's valid keys are [0, seqlens_k + 1) and its S new tokens are the last S of them.
+# The fused graph equals the export for every mask row that is all ones, and on a prompt
+# (S = T) for right padding (ones, then zeros) on the valid query rows and the whole present
+# cache. Left padding (and gaps) is not representable: GQA would place the new K/V at the
+# wrong slot and attend the padding; such batches need the unfused model.
+
+_FLOAT_MIN = -1e30  # an additive mask fill this low underflows exp to exactly 0
+
+
+def _const(value: ir.Value | None):
+    """A constant's numpy value (initializer or Constant), else None."""
+    import numpy as np
+
+    if value is None:
+        return None
+    tensor = value.const_value
+    if tensor is None:
+        node = value.producer()
+        if node is None or node.op_type != "Constant" or node.domain not in ("", "ai.onnx"):
+            return None
+        attr = node.attributes.get("value")
+        if attr is None:
+            return None
+        tensor = attr.value
+    try:
+        return np.asarray(tensor.numpy())
+    except Exception:  # noqa: BLE001 - an unreadable constant is no proof
+        return None
+
+
+def _through_unsqueeze(value: ir.Value | None) -> ir.Value | None:
+    """The value under a chain of Unsqueezes (which only add size-1 axes)."""
+    while value is not None:
+        node = _producer(value, "Unsqueeze")
+        if node is None:
+            return value
+        value = node.inputs[0]
+    return None
+
+
+def _is_range_from_zero(value: ir.Value | None) -> ir.Node | None:
+    """``Range(0, limit, 1)``'s node, else None."""
+    node = _producer(value, "Range")
+    if node is None or len(node.inputs) != 3:
+        return None
+    start, delta = _const(node.inputs[0]), _const(node.inputs[2])
+    if start is None or delta is None or start.size != 1 or delta.size != 1:
+        return None
+    return node if int(start.ravel()[0]) == 0 and int(delta.ravel()[0]) == 1 else None
+
+
+def _dim_of(value: ir.Value | None, depth: int = 3) -> tuple[ir.Value, int] | None:
+    """``(source, axis)`` when ``value`` is ``Squeeze(Shape(source, axis:axis+1))`` (a 0-d or
+    1-element dimension of ``source``), else None."""
+    node = _producer(value, "Squeeze")
+    if node is not None:
+        value = node.inputs[0]
+    shape = _producer(value, "Shape")
+    if shape is None or shape.inputs[0] is None or shape.inputs[0].shape is None:
+        return None
+    rank = len(shape.inputs[0].shape)
+    start = _int_attr(shape, "start", 0) % rank if rank else 0
+    end = shape.attributes.get("end")
+    end = rank if end is None else end.as_int()
+    end = min(end + rank if end < 0 else end, rank)
+    return (shape.inputs[0], start) if end == start + 1 else None
+
+
+def _shape_is(value: ir.Value | None, dims: list) -> bool:
+    """Whether ``value``'s static shape is ``dims`` (ints or symbolic dims/names)."""
+    if value is None or value.shape is None or len(value.shape) != len(dims):
+        return False
+    return all(_same_dim(a, b) for a, b in zip(value.shape, dims))
+
+
+class _MaskProof:
+    """Proves ``mask`` (additive, (B|1, 1, S, T)) is exactly causal-with-past ∧ the padding
+    of a 2-D ``attention_mask`` graph input; ``fail`` says why not."""
+
+    def __init__(self, graph_inputs, q: ir.Value, past_key: ir.Value | None) -> None:
+        self.inputs = graph_inputs
+        self.q = q
+        self.past_key = past_key
+        self.attention_mask: ir.Value | None = None
+        self.bool_mask: ir.Value | None = None
+        self.fail = ""
+
+    def _no(self, why: str) -> bool:
+        self.fail = why
+        return False
+
+    def prove(self, mask: ir.Value) -> bool:
+        import numpy as np
+
+        where = _producer(mask, "Where")
+        if where is None:
+            return self._no("mask is not Where(cond, 0, fill)")
+        cond, zero, fill = where.inputs
+        zero, fill = _const(zero), _const(fill)
+        if zero is None or fill is None or zero.size != 1 or fill.size != 1:
+            return self._no("mask values are not constants")
+        if float(zero.ravel()[0]) != 0.0 or not float(fill.ravel()[0]) <= _FLOAT_MIN:
+            return self._no("mask is not 0 where allowed and <= -1e30 elsewhere")
+        leaves: list[ir.Value] = []
+        stack = [cond]
+        while stack:
+            value = stack.pop()
+            node = _producer(value, "And")
+            if node is not None:
+                stack.extend(node.inputs)
+                continue
+            const = _const(value)
+            if const is not None and const.dtype == np.bool_ and bool(const.all()):
+                continue  # And with all-true: a no-op
+            leaves.append(value)
+        if len(leaves) != 2:
+            return self._no(f"mask condition has {len(leaves)} terms, not causal and padding")
+        for first, second in (leaves, leaves[::-1]):
+            kv = self._causal(first)
+            if kv is not None:
+                return self._padding(second, kv)
+        return self._no(self.fail or "no causal term in the mask")
+
+    def _mask_dim(self, value: ir.Value | None, axis: int) -> bool:
+        dim = _dim_of(value)
+        if dim is None or dim[1] != axis:
+            return False
+        source = dim[0]
+        if self.attention_mask is None:
+            if source not in self.inputs or source.shape is None or len(source.shape) != 2:
+                return False
+            self.attention_mask = source
+        return source is self.attention_mask
+
+    def _causal(self, value: ir.Value) -> ir.Value | None:
+        node = _producer(value, "LessOrEqual")
+        if node is None:
+            self.fail = "no LessOrEqual(key index, query position) in the mask"
+            return None
+        kv, qpos = node.inputs
+        kv_range = _is_range_from_zero(_through_unsqueeze(kv))
+        if kv_range is None or not self._mask_dim(kv_range.inputs[1], 1):
+            self.fail = "key index is not Range(0, attention_mask.shape[1])"
+            return None
+        total = self.attention_mask.shape[1]
+        if not _shape_is(kv, [1, 1, 1, total]):
+            self.fail = "key index is not on the last axis"
+            return None
+        s = self.q.shape[2]
+        if not _shape_is(qpos, [1, 1, s, 1]):
+            self.fail = "query position is not on the query axis"
+            return None
+        positions = _through_unsqueeze(qpos)
+        if self.past_key is None:  # prompt: positions 0..S-1 with S = T
+            if not _same_dim(s, total):
+                self.fail = "prompt query length is not attention_mask.shape[1]"
+                return None
+            if positions is not kv_range.outputs[0] and not (
+                    _is_range_from_zero(positions) is not None
+                    and self._mask_dim(_is_range_from_zero(positions).inputs[1], 1)):
+                self.fail = "query positions are not Range(0, T)"
+                return None
+            return kv
+        add = _producer(positions, "Add")
+        if add is None:
+            self.fail = "query positions are not arange(S) + past length"
+            return None
+        for arange, past in (add.inputs, add.inputs[::-1]):
+            dim = _dim_of(past)
+            if dim is None or dim[1] != 2 or dim[0] not in self.inputs:
+                continue
+            source = dim[0]
+            if source.shape is None or len(source.shape) != 4 or not _same_dim(
+                    source.shape[2], self.past_key.shape[2]):
+                continue
+            const = _const(arange)
+            if const is not None and const.ravel().tolist() == list(range(const.size)) \
+                    and _same_dim(s, const.size):
+                return kv
+            rng = _is_range_from_zero(arange)
+            if rng is not None:
+                dim = _dim_of(rng.inputs[1])
+                if dim is not None and dim[0].shape is not None and _same_dim(
+                        dim[0].shape[dim[1]], s):
+                    return kv
+        self.fail = "query positions are not arange(S) + past length"
+        return None
+
+    def _padding(self, value: ir.Value, kv: ir.Value) -> bool:
+        gather = _producer(value, "GatherND")
+        if gather is None or _int_attr(gather, "batch_dims", 0) != 0:
+            return self._no("padding term is not GatherND(attention_mask, (b, key))")
+        data, index = gather.inputs
+        cast = _producer(data, "Cast")
+        if cast is None or cast.inputs[0] is not self.attention_mask or _int_attr(
+                cast, "to", 0) != ir.DataType.BOOL:
+            return self._no("padding term does not read Cast(attention_mask, bool)")
+        concat = _producer(index, "Concat")
+        if concat is None or len(concat.inputs) != 2 or _int_attr(concat, "axis", 0) != -1:
+            return self._no("padding index is not Concat(batch, key, axis=-1)")
+        parts = []
+        for part in concat.inputs:
+            unsq = _producer(part, "Unsqueeze")
+            axes = _const(unsq.inputs[1]) if unsq is not None and len(unsq.inputs) > 1 else None
+            expand = _producer(unsq.inputs[0], "Expand") if unsq is not None else None
+            if axes is None or axes.ravel().tolist() != [-1] or expand is None:
+                return self._no("padding index parts are not Unsqueeze(Expand(.), -1)")
+            parts.append(expand)
+        (eb, ek) = parts
+        if ek.inputs[0] is not kv or eb.inputs[1] is not ek.inputs[1]:
+            return self._no("padding index does not use the causal key index")
+        bidx = eb.inputs[0]
+        brange = _is_range_from_zero(_through_unsqueeze(bidx))
+        if brange is None or not self._mask_dim(brange.inputs[1], 0):
+            return self._no("batch index is not Range(0, attention_mask.shape[0])")
+        if not _shape_is(bidx, [self.attention_mask.shape[0], 1, 1, 1]):
+            return self._no("batch index is not on the batch axis")
+        shape = _producer(eb.inputs[1], "Shape")
+        joint = _producer(shape.inputs[0], "Max") if shape is not None else None
+        if (joint is None or _int_attr(shape, "start", 0) != 0 or shape.attributes.get("end")
+                is not None or {id(v) for v in joint.inputs} != {id(bidx), id(kv)}):
+            return self._no("padding index is not expanded to the broadcast shape")
+        self.bool_mask = data
+        return True
+
+
+class GroupQueryAttentionFusion(pattern.RewriteRuleClassBase):
+    """GQA decoder attention (head repeat + SDPA + causal/padding mask) →
+    ``com.microsoft::GroupQueryAttention``; ``with_past``: the decode step's cache Concats
+    become the op's present outputs."""
+
+    def __init__(self, with_past: bool) -> None:
+        super().__init__("amp_rewrite.GroupQueryAttention" + ("" if with_past else ".prompt"),
+                         remove_nodes=True)
+        self.with_past = with_past
+        self._seqlens: dict[ir.Value, tuple[ir.Value, ir.Value]] = {}
+        self._found: dict = {}
+
+    def pattern(self, op, q, k_new, v_new, past_key, past_value, unsq_k, unsq_v, expand_k,
+                expand_v, shape_k, shape_v, a, b, mask, zero, out_shape):
+        if self.with_past:
+            k_all = op.Concat(past_key, k_new, axis=-2, _outputs=["k_all"])
+            v_all = op.Concat(past_value, v_new, axis=-2, _outputs=["v_all"])
+        else:
+            k_all, v_all = k_new, v_new
+        k_rep = op.Reshape(op.Expand(op.Unsqueeze(k_all, unsq_k), expand_k), shape_k,
+                           _outputs=["k_rep"])
+        v_rep = op.Reshape(op.Expand(op.Unsqueeze(v_all, unsq_v), expand_v), shape_v,
+                           _outputs=["v_rep"])
+        scores = op.MatMul(op.Mul(q, a), op.Mul(op.Transpose(k_rep, perm=[0, 1, 3, 2]), b))
+        probs = op.Softmax(op.Add(scores, mask), axis=-1)
+        guarded = op.Where(op.IsNaN(probs), zero, probs)
+        attn = op.MatMul(pattern.OrValue([probs, guarded]), v_rep, _outputs=["attn"])
+        same = op.Reshape(attn, pattern.ANY_VALUE, _outputs=["same"])
+        bsnh = op.Transpose(pattern.OrValue([attn, same]), perm=[0, 2, 1, 3])
+        out = op.Reshape(bsnh, out_shape, _outputs=["out"])
+        if self.with_past:
+            return out, k_all, v_all
+        return out
+
+    def check(self, context, q, k_new, v_new, unsq_k, unsq_v, k_rep, v_rep, a, b, mask, attn,
+              out, past_key=None, past_value=None, zero=None, same=None, **kw):
+        import numpy as np
+
+        result = pattern.MatchResult()
+        self._found = {}
+        if q.shape is None or len(q.shape) != 4 or not all(
+                isinstance(d, int) for d in (q.shape[1], q.shape[3])):
+            return result.fail("query is not (B, H, S, D) with known H, D", q)
+        batch, heads, seq, head = q.shape
+        k_all = kw.get("k_all", k_new)
+        v_all = kw.get("v_all", v_new)
+        for value in (k_new, v_new, k_all, v_all):
+            if value.shape is None or len(value.shape) != 4 or not isinstance(value.shape[1], int):
+                return result.fail("key/value are not (B, Hkv, T, D) with known Hkv", value)
+        kv_heads = k_new.shape[1]
+        if heads % kv_heads or v_new.shape[1] != kv_heads:
+            return result.fail("query heads are not a multiple of the KV heads", k_new)
+        if not (_shape_is(k_new, [batch, kv_heads, seq, head])
+                and _shape_is(v_new, [batch, kv_heads, seq, head])):
+            return result.fail("new key/value are not (B, Hkv, S, D)", k_new)
+        total = k_all.shape[2]
+        if self.with_past:
+            for past in (past_key, past_value):
+                if past not in context.graph_or_function.inputs or not _shape_is(
+                        past, [batch, kv_heads, past.shape[2], head]):
+                    return result.fail("past key/value are not (B, Hkv, P, D) graph inputs", past)
+        if q.dtype is None or any(v.dtype != q.dtype for v in (k_new, v_new)):
+            return result.fail("q, k, v differ in dtype", q)
+        group = heads // kv_heads
+        # repeat_kv: (B, Hkv, T, D) -> (B, Hkv, 1, T, D) -> (B, Hkv, G, T, D) -> (B, H, T, D),
+        # so query head h reads KV head h // G, as GroupQueryAttention does.
+        for unsq, rep, src in ((unsq_k, k_rep, k_all), (unsq_v, v_rep, v_all)):
+            axes = _const(unsq)
+            if axes is None or axes.ravel().tolist() != [2]:
+                return result.fail("head repeat does not unsqueeze axis 2", unsq)
+            expand = rep.producer().inputs[0]
+            if not _shape_is(expand, [batch, kv_heads, group, total, head]):
+                return result.fail("head repeat does not expand to (B, Hkv, G, T, D)", expand)
+            if not _shape_is(rep, [batch, heads, total, head]):
+                return result.fail("head repeat does not reshape to (B, H, T, D)", rep)
+        if not _same_dim(v_all.shape[2], total):
+            return result.fail("key and value lengths differ", v_all)
+        scales = [_const(a), _const(b)]
+        if any(s is None or s.size != 1 for s in scales):
+            return result.fail("the scale is not a constant scalar", a)
+        scale = float(np.float64(scales[0].ravel()[0]) * np.float64(scales[1].ravel()[0]))
+        if not scale > 0:
+            return result.fail("the scale is not positive", a)
+        if zero is not None:
+            z = _const(zero)
+            if z is None or z.size != 1 or float(z.ravel()[0]) != 0.0:
+                return result.fail("NaN guard does not write 0", zero)
+        if same is not None and not _shape_is(same, list(attn.shape or [])):
+            return result.fail("Reshape after the attention is not the identity", same)
+        if not _shape_is(out, [batch, seq, heads * head]):
+            return result.fail("output is not (B, S, H·D)", out)
+        proof = _MaskProof(list(context.graph_or_function.inputs), q,
+                           past_key if self.with_past else None)
+        if not proof.prove(mask):
+            return result.fail(proof.fail, mask)
+        if not _same_dim(total, proof.attention_mask.shape[1]):
+            return result.fail("cache length is not attention_mask.shape[1]", k_all)
+        self._found = dict(heads=heads, kv_heads=kv_heads, scale=scale, proof=proof,
+                           out_shape=out.shape, present_shape=k_all.shape)
+        return result
+
+    @staticmethod
+    def _bsd(op, x: ir.Value) -> ir.Value:
+        """(B, N, S, D) -> (B, S, N·D), reading under a Transpose(0, 2, 1, 3) if there is one."""
+        node = x.producer()
+        if (node is not None and node.op_type == "Transpose" and node.domain in ("", "ai.onnx")
+                and list(node.attributes.get("perm").as_ints()) == [0, 2, 1, 3]):
+            source = node.inputs[0]
+        else:
+            source = op.Transpose(x, perm=[0, 2, 1, 3])
+        return op.Reshape(source, op.Constant(value_ints=[0, 0, -1]))
+
+    def _lengths(self, op, proof: _MaskProof):
+        if proof.bool_mask not in self._seqlens:
+            valid = op.Cast(proof.bool_mask, to=ir.DataType.INT32)
+            summed = op.ReduceSum(valid, op.Constant(value_ints=[1]), keepdims=0)
+            seqlens = op.Sub(summed, op.Constant(value=ir.tensor(1, dtype=ir.DataType.INT32)))
+            total = op.Cast(op.Squeeze(op.Shape(proof.attention_mask, start=1, end=2)),
+                            to=ir.DataType.INT32)
+            self._seqlens[proof.bool_mask] = (seqlens, total)
+        return self._seqlens[proof.bool_mask]
+
+    def rewrite(self, op, q, k_new, v_new, past_key=None, past_value=None, **_):
+        found, self._found = self._found, {}
+        seqlens, total = self._lengths(op, found["proof"])
+        outputs = op.GroupQueryAttention(
+            self._bsd(op, q), self._bsd(op, k_new), self._bsd(op, v_new),
+            past_key if self.with_past else None, past_value if self.with_past else None,
+            seqlens, total, num_heads=found["heads"], kv_num_heads=found["kv_heads"],
+            scale=found["scale"], do_rotary=0, _domain=MS_DOMAIN, _outputs=3)
+        outputs[0].shape = found["out_shape"]
+        for present in outputs[1:]:
+            present.shape = found["present_shape"]
+        return tuple(outputs) if self.with_past else outputs[0]
+
+    def cleanup(self) -> None:
+        self._seqlens.clear()
+        self._found = {}
+
+
+def gqa_rules():
+    return pattern.RewriteRuleSet([GroupQueryAttentionFusion.rule(with_past=True),
+                                   GroupQueryAttentionFusion.rule(with_past=False)])

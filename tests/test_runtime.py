@@ -6,8 +6,8 @@ import signal
 
 import pytest
 
-from amp_rewrite.core import runtime
-from amp_rewrite.core.runtime import Background
+from amp_rewrite import runtime
+from amp_rewrite.runtime import Background
 
 needs_fork = pytest.mark.skipif(not runtime.fork_allowed(),
                                 reason="forking is not allowed on this host (Linux, 2+ CPUs)")

@@ -1,44 +1,55 @@
-"""Load and save ONNX models safely: clear errors, external data, atomic writes."""
+"""Load ONNX models into onnx_ir: clear errors, checks, external data, text repair, inferred
+facts (``LoadInfo``), and the IR's release when it is no longer needed."""
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import math
 import os
-import re
-import secrets
-import shutil
-import tempfile
-import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import onnx
-import onnx.external_data_helper
 import onnx.inliner
 import onnx_ir as ir
 
-from amp_rewrite.core.runtime import Background
-from amp_rewrite.errors import ModelError, OutputCheckError, UsageError
+from amp_rewrite.errors import ModelError, UsageError, first_line
+from amp_rewrite.runtime import Background
 
 logger = logging.getLogger(__name__)
-PROTOBUF_LIMIT = 2**31 - 1
-INFERRED_SIZES = "amp_rewrite.inferred_sizes"  # model.meta key: value name -> fp32 bytes
-UNTYPED_AT_LOAD = "amp_rewrite.untyped_at_load"  # model.meta key: node outputs with no type
-# model.meta key: names the input described with a value_info (consulted for initializers)
-DESCRIBED_INITIALIZERS = "amp_rewrite.described_initializers"
-EXTERNAL_FILES = "amp_rewrite.external_files"  # model.meta key: data files read at load
-SOURCE_PATH = "amp_rewrite.source_path"  # model.meta key: the file the model was loaded from
-SYMBOLIC_DIM_EXTENT = 64  # nominal size of a symbolic dim (batch, sequence) for cast costs
+# Size assumed for a symbolic dim (batch, sequence) where a value's bytes are estimated for
+# cast costs. Only ratios between values matter to the cut, and most symbolic dims are
+# shared by every activation, so the value is nominal (it weighs activations against static
+# weights; changing it changes plans). Padding, whose decision depends on the absolute size,
+# has its own (``PadPolicy.symbolic_dim_size``), random validation inputs theirs
+# (``validate.RANDOM_FEED_SYMBOLIC_DIM``).
+SYMBOLIC_DIM_EXTENT = 64
 
 
-FLAT = "amp_rewrite.flat"  # model.meta key: no node held a graph attribute at load
-# model.meta key: a flat model whose node outputs all had a dtype after loading
-# (``passes.infer_missing_types`` has nothing to add then)
-TYPED = "amp_rewrite.typed"
+@dataclass
+class LoadInfo:
+    """What loading learned about a model that its IR does not hold. The defaults describe a
+    model nothing is known about (an ``ir.Model`` handed in): every fact is looked up again."""
 
+    source: Path | None = None  # the file the model was loaded from
+    external_files: list[Path] | None = None  # data files read at load (None: not recorded)
+    had_external_data: bool = False  # some main-graph initializer is stored externally
+    flat: bool = False  # no node held a graph attribute at load (no pass of ours adds one)
+    # every node output had a dtype after loading (``passes.infer_missing_types`` has
+    # nothing to add then); only for flat models
+    typed: bool = False
+    untyped: set[ir.Value] = field(default_factory=set)  # node outputs the file left untyped
+    # value name -> fp32 bytes from shape inference, for values the file gives no shape
+    inferred_sizes: dict[str, int | None] = field(default_factory=dict)
+    described: set[str] = field(default_factory=set)  # names the file gave a value_info
+
+
+@dataclass
+class LoadedModel:
+    model: ir.Model
+    info: LoadInfo
 
 
 class _OneLine(logging.Filter):
@@ -58,11 +69,11 @@ class _OneLine(logging.Filter):
 
 logging.getLogger("onnx_ir.passes.common.shape_inference").addFilter(_OneLine())
 
-def model_graphs(model: ir.Model) -> list[ir.Graph]:
+def model_graphs(model: ir.Model, flat: bool = False) -> list[ir.Graph]:
     """The model's graph and subgraphs: ``walk_graphs``, skipped for a model that had no
-    subgraph at load (``FLAT``; no pass of ours creates one). Each walk costs ~0.035 s at 50k
-    nodes, and a rewrite needs the list in five places."""
-    if model.meta.get(FLAT):
+    subgraph at load (``LoadInfo.flat``; no pass of ours creates one). Each walk costs
+    ~0.035 s at 50k nodes, and a rewrite needs the list in five places."""
+    if flat:
         return [model.graph]
     return list(walk_graphs(model.graph))
 
@@ -88,14 +99,20 @@ def walk_graphs(graph: ir.Graph) -> Iterator[ir.Graph]:
                     yield from walk_graphs(sub)
 
 
-def load_model(source: str | os.PathLike | onnx.ModelProto | bytes | ir.Model) -> ir.Model:
+Source = str | os.PathLike | onnx.ModelProto | bytes | ir.Model | LoadedModel
+
+
+def load_model(source: Source) -> LoadedModel:
     """An onnx_ir model from a path (external data stays on disk, memory-mapped), a
     ModelProto (never mutated) or its serialized bytes, with ONNX shape inference filled in
-    where it was missing. An ``ir.Model`` this function returned is passed through."""
-    if isinstance(source, ir.Model):
+    where it was missing, and what loading learned. A ``LoadedModel`` is passed through; an
+    ``ir.Model`` is taken as it is, with nothing known about it."""
+    if isinstance(source, LoadedModel):
         return source
+    if isinstance(source, ir.Model):
+        return LoadedModel(source, LoadInfo(had_external_data=had_external_data(source)))
     if isinstance(source, bytes):
-        source = _parse_bytes(source)
+        source = parse_bytes(source)
     if isinstance(source, onnx.ModelProto):
         _check_tensors(source, "<ModelProto>", None)
         return _loaded(source, "<ModelProto>")
@@ -103,23 +120,23 @@ def load_model(source: str | os.PathLike | onnx.ModelProto | bytes | ir.Model) -
     try:
         proto = onnx.load(str(path), load_external_data=False)
     except Exception as e:  # protobuf raises DecodeError, RuntimeWarning, ValueError, ...
-        raise ModelError(f"{path}: not a readable ONNX model ({_first_line(e)}); "
+        raise ModelError(f"{path}: not a readable ONNX model ({first_line(e)}); "
                          "check that the file is complete and really ONNX") from None
     if not proto.graph.node and not proto.graph.input and not proto.graph.output:
         raise ModelError(f"{path}: not an ONNX model (no graph found); is it truncated?")
     external = _check_tensors(proto, str(path), path)
-    model = _loaded(proto, str(path), path if external else None)
-    ir.external_data.set_base_dir(model.graph, path.parent)
-    model.meta[EXTERNAL_FILES] = sorted({path.parent / loc for loc in external})
-    model.meta[SOURCE_PATH] = path
-    return model
+    loaded = _loaded(proto, str(path), path if external else None)
+    ir.external_data.set_base_dir(loaded.model.graph, path.parent)
+    loaded.info.external_files = sorted({path.parent / loc for loc in external})
+    loaded.info.source = path
+    return loaded
 
 
-def _parse_bytes(data: bytes) -> onnx.ModelProto:
+def parse_bytes(data: bytes) -> onnx.ModelProto:
     try:
         return onnx.load_model_from_string(data)
     except Exception as e:  # protobuf's DecodeError and friends
-        raise ModelError(f"<bytes>: not a serialized ONNX model ({_first_line(e)})") from None
+        raise ModelError(f"<bytes>: not a serialized ONNX model ({first_line(e)})") from None
 
 
 def check_input_path(source: str | os.PathLike) -> Path:
@@ -151,10 +168,10 @@ def _inline_local_functions(proto: onnx.ModelProto, label: str) -> onnx.ModelPro
         return onnx.inliner.inline_local_functions(proto)
     except Exception as e:  # the C++ inliner asserts: too many actuals, recursion, ...
         raise ModelError(f"{label}: its model-local functions cannot be inlined "
-                         f"({_first_line(e)}); fix the function calls in the exporter") from None
+                         f"({first_line(e)}); fix the function calls in the exporter") from None
 
 
-def _loaded(proto: onnx.ModelProto, label: str, path: Path | None = None) -> ir.Model:
+def _loaded(proto: onnx.ModelProto, label: str, path: Path | None = None) -> LoadedModel:
     """The checked (or repaired), inlined proto in onnx_ir, with inferred facts.
 
     The checker and shape inference read only the proto: on a large model they run on the
@@ -172,12 +189,12 @@ def _loaded(proto: onnx.ModelProto, label: str, path: Path | None = None) -> ir.
         model = None  # the checker's error (or repair) explains this better: serial path
     if job.result()[0] is not None:
         if model is not None:
-            release(model)
+            release(model.model)
         return _loaded_serially(proto, label, path)
     return model
 
 
-def _loaded_serially(proto: onnx.ModelProto, label: str, path: Path | None) -> ir.Model:
+def _loaded_serially(proto: onnx.ModelProto, label: str, path: Path | None) -> LoadedModel:
     proto = _checked_or_repaired(proto, label, path)
     proto = _inline_local_functions(proto, label)
     return _from_proto(proto, label, functools.partial(_inferred_facts, proto))
@@ -194,21 +211,22 @@ def _checked_and_inferred(proto: onnx.ModelProto, label: str, path: Path | None
 
 
 def _from_proto(proto: onnx.ModelProto, label: str,
-                facts: Callable[[], dict[str, TensorFact] | str]) -> ir.Model:
+                facts: Callable[[], dict[str, TensorFact] | str]) -> LoadedModel:
     try:
         model = ir.from_proto(proto)
     except Exception as e:  # an unknown elem_type, a malformed attribute, ...
         cause = e.__cause__ or e
         raise ModelError(f"{label}: unsupported ONNX content ({type(cause).__name__}: "
-                         f"{_first_line(cause)}); check the exporter's output") from None
+                         f"{first_line(cause)}); check the exporter's output") from None
     graphs = list(walk_graphs(model.graph))  # one walk for the three steps
-    model.meta[FLAT] = len(graphs) == 1
     _scan_nodes(model, label, graphs)
     # Without subgraphs in the IR there are none in the proto: its node walk (protobuf
     # fields read from Python, ~0.1 s per walk at 50k nodes) is skipped.
     nested = len(graphs) > 1
-    model.meta[DESCRIBED_INITIALIZERS] = _value_info_names(proto.graph, nested)
-    return _with_inferred_facts(model, facts, graphs)
+    info = LoadInfo(had_external_data=had_external_data(model), flat=not nested,
+                    described=_value_info_names(proto.graph, nested))
+    _add_inferred_facts(info, facts, graphs)
+    return LoadedModel(model, info)
 
 
 TORCH_SUFFIXES = (".pt", ".pth", ".ckpt")
@@ -217,10 +235,10 @@ TORCH_SUFFIXES = (".pt", ".pth", ".ckpt")
 DTYPE_ATTRIBUTES = frozenset({"to", "dtype"})
 
 
-def _text(raw: str | bytes) -> str:
+def text(raw: str | bytes) -> str:
     """A protobuf string field as text: python-protobuf hands invalid UTF-8 back as bytes
     (proto2 does not validate), which cannot be written back; the bad bytes are escaped."""
-    return raw.decode("utf-8", errors="backslashreplace")
+    return raw.decode("utf-8", errors="backslashreplace") if type(raw) is bytes else raw
 
 
 def _scan_nodes(model: ir.Model, label: str, graphs: list[ir.Graph]) -> None:
@@ -240,10 +258,10 @@ def _scan_nodes(model: ir.Model, label: str, graphs: list[ir.Graph]) -> None:
             elif node.op_type == "Constant":
                 _check_constant_size(node, label)
     if count:
-        _warn_repaired(label, count)
+        warn_repaired(label, count)
 
 
-def _warn_repaired(label: str, count: int) -> None:
+def warn_repaired(label: str, count: int) -> None:
     logger.warning("%s: %d string fields are not valid UTF-8; written with the bad bytes "
                    "escaped (\\xNN)", label, count)
 
@@ -267,11 +285,11 @@ def _repair_fields(obj, fields: tuple[str, ...]) -> int:
     for f in fields:
         raw = getattr(obj, f, None)
         if type(raw) is bytes:
-            setattr(obj, f, _text(raw))
+            setattr(obj, f, text(raw))
             count += 1
     props = getattr(obj, "metadata_props", None)
     if props and any(type(k) is bytes or type(v) is bytes for k, v in props.items()):
-        fixed = {_text(k) if type(k) is bytes else k: _text(v) if type(v) is bytes else v
+        fixed = {text(k): text(v)
                  for k, v in props.items()}
         count += len(props)
         props.clear()
@@ -408,30 +426,30 @@ def _subgraph_protos(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
             yield from (attr.g,) if attr.HasField("g") else attr.graphs
 
 
-def _with_inferred_facts(model: ir.Model, facts: Callable[[], dict[str, TensorFact] | str],
-                         graphs: list[ir.Graph]) -> ir.Model:
+def _add_inferred_facts(info: LoadInfo, facts: Callable[[], dict[str, TensorFact] | str],
+                        graphs: list[ir.Graph]) -> None:
     """Dtypes and sizes for values the model does not describe, from ONNX shape inference
     (``facts``: ``_inferred_facts`` of the loaded proto).
 
     Cast costs are bytes, so values need sizes. Inference reads only initializer dims, never
     external data, and is waited for only when some node output has no recorded type. The
-    inferred dtypes go onto the IR values; the sizes go to ``model.meta[INFERRED_SIZES]``
+    inferred dtypes go onto the IR values; the sizes go to ``info.inferred_sizes``
     instead of value shapes, because parsing and re-serialising 50k inferred shapes doubled
     the cost of the onnx_ir round trip.
     """
     undescribed = [v for g in graphs for node in g for v in node.outputs
                    if v.name and (v.type is None or v.shape is None)]
     untyped = {v for v in undescribed if v.type is None}
-    model.meta[TYPED] = len(graphs) == 1  # until an untyped value stays untyped
+    info.typed = len(graphs) == 1  # until an untyped value stays untyped
     if not untyped:
-        return model
-    model.meta[UNTYPED_AT_LOAD] = untyped
+        return
+    info.untyped = untyped
     facts = facts()
     if isinstance(facts, str):  # a partial answer is still better than none: keep going
         logger.info("shape inference failed (%s); sizes of some values unknown", facts)
-        model.meta[TYPED] = False
-        return model
-    sizes = model.meta.setdefault(INFERRED_SIZES, {})
+        info.typed = False
+        return
+    sizes = info.inferred_sizes
     for v in undescribed:
         fact = facts.get(v.name)
         if fact is not None:
@@ -440,8 +458,7 @@ def _with_inferred_facts(model: ir.Model, facts: Callable[[], dict[str, TensorFa
             if v.shape is None:
                 sizes[v.name] = fact[1]
         elif v.type is None:
-            model.meta[TYPED] = False
-    return model
+            info.typed = False
 
 
 def _inferred_facts(proto: onnx.ModelProto) -> dict[str, TensorFact] | str:
@@ -449,7 +466,7 @@ def _inferred_facts(proto: onnx.ModelProto) -> dict[str, TensorFact] | str:
     try:
         inferred = onnx.shape_inference.infer_shapes(proto)
     except Exception as e:
-        return _first_line(e)
+        return first_line(e)
     return _tensor_facts(inferred.graph, {})
 
 
@@ -518,141 +535,10 @@ def _check_input(model: onnx.ModelProto | Path, label: str) -> None:
     try:
         onnx.checker.check_model(str(model) if isinstance(model, Path) else model)
     except Exception as e:
-        raise ModelError(f"{label}: invalid ONNX model: {_first_line(e)}") from None
+        raise ModelError(f"{label}: invalid ONNX model: {first_line(e)}") from None
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__
-
-
-def default_output_path(input_path: str | os.PathLike) -> Path:
-    path = Path(input_path)
-    return path.with_name(path.name.removesuffix(".onnx") + ".amp.onnx")
-
-
-def check_output_path(input_path: str | os.PathLike | None, output: str | os.PathLike) -> Path:
-    """The file to write: ``output``, or the default name inside it when it is a directory
-    (``DIR/`` with a trailing slash must be one). Its directory must exist and be writable."""
-    out = Path(output)
-    if out.is_dir():
-        if input_path is None:
-            raise UsageError(f"{out}: is a directory; give the output file name")
-        out = out / default_output_path(input_path).name
-    elif str(output).endswith((os.sep, "/")):
-        raise UsageError(f"{output}: directory does not exist; create it or give a file name")
-    if input_path is not None and _identity(out) == _identity(Path(input_path)):
-        raise UsageError(f"{out}: the output would overwrite the input; choose another -o path")
-    check_writable_file(out, "-o")
-    return out
-
-
-def check_writable_file(path: str | os.PathLike, flag: str) -> None:
-    """``path`` can be created or replaced: not a directory (nor written as one, with a
-    trailing slash), in a writable directory."""
-    if str(path).endswith((os.sep, "/")) or Path(path).is_dir():
-        raise UsageError(f"{flag} {path}: is a directory; give a file name")
-    path = Path(path)
-    if path.is_dir():
-        raise UsageError(f"{flag} {path}: is a directory; give a file name")
-    parent = path.parent
-    if not parent.is_dir():
-        raise UsageError(f"{flag} {path}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise UsageError(f"{flag} {path}: directory {parent} is not writable; choose another")
-
-
-def check_path_conflicts(reads: Mapping[str, Iterable[str | os.PathLike]],
-                         writes: Mapping[str, str | os.PathLike]) -> None:
-    """No file the run writes is one it reads, nor another file it writes (symlinks, hard
-    links and relative paths resolved): exit 2 before anything is written.
-
-    ``reads``: label -> paths (the model, its external-data files, calibration data, rule
-    files); ``writes``: label -> path (-o, --report).
-    """
-    read_ids = {_identity(Path(p)): (label, p) for label, paths in reads.items() for p in paths}
-    written: dict[tuple, str] = {}
-    for label, path in writes.items():
-        ident = _identity(Path(path))
-        if ident in read_ids:
-            what, source = read_ids[ident]
-            raise UsageError(f"{label} {path} is {what} {source}; writing it would destroy an "
-                             "input: choose another path")
-        if ident in written:
-            raise UsageError(f"{label} {path} is also the {written[ident]} path; give each "
-                             "output its own file")
-        written[ident] = label
-
-
-def proto_with_weights(model: ir.Model) -> onnx.ModelProto:
-    """The model as one in-memory ModelProto with its external weights read in: onnxruntime
-    sessions built from bytes (calibration, validation) cannot resolve relative data files."""
-    proto = to_proto(model)
-    files = external_data_files(model)
-    if not files:
-        return proto
-    if sum(f.stat().st_size for f in files) > PROTOBUF_LIMIT:
-        raise ModelError("the model's weights exceed 2 GB: onnxruntime cannot run it from "
-                         "memory for calibration or validation; run without them")
-    source = model.meta.get(SOURCE_PATH)
-    base = source.parent if source is not None else files[0].parent
-    onnx.external_data_helper.load_external_data_for_model(proto, str(base))
-    return proto
-
-
-def check_save_target(model: ir.Model, output: str | os.PathLike) -> Path:
-    """Where ``save`` may write the model loaded by ``load_model``: the checks of
-    ``check_output_path``, and never the source file or one of its external-data files
-    (the Python API's guard; the CLI checks all its paths up front)."""
-    source = model.meta.get(SOURCE_PATH)
-    out = check_output_path(source, output)
-    check_path_conflicts({"the input model": [source] if source else [],
-                          "an external-data file of the input": external_data_files(model)},
-                         {"the output": out})
-    return out
-
-
-def external_data_files(model: ir.Model) -> list[Path]:
-    """The files the model's initializers are stored in (recorded by ``load_model``; else
-    found by a walk, subgraphs included)."""
-    if EXTERNAL_FILES in model.meta:
-        return list(model.meta[EXTERNAL_FILES])
-    files = {Path(v.const_value.path) for g in model_graphs(model)
-             for v in g.initializers.values() if isinstance(v.const_value, ir.ExternalTensor)}
-    return sorted(files)
-
-
-def needs_external_data(model: ir.Model, had_external: bool) -> bool:
-    if had_external:
-        return True
-    total = sum(v.const_value.nbytes for v in model.graph.initializers.values()
-                if v.const_value is not None)
-    return total > PROTOBUF_LIMIT // 2
-
-
-@contextlib.contextmanager
-def initializers_undescribed(model: ir.Model) -> Iterator[None]:
-    """While serialising, initializers get no value_info unless the input gave them one.
-
-    onnx_ir writes a value_info for every typed initializer, although the tensor holds its
-    dtype and shape: 25k redundant entries on a 50k-node chain, ~0.15 s to write and ~0.1 s
-    to check. The types are cleared only for the duration; the IR keeps them.
-    """
-    described = model.meta.get(DESCRIBED_INITIALIZERS, set())
-    cleared = [(v, v.type, v.shape) for g in model_graphs(model)
-               for v in g.initializers.values()
-               if v.name not in described and not v.is_graph_input() and not v.is_graph_output()
-               and not v.metadata_props and not v.doc_string]
-    for v, _, _ in cleared:
-        v.type, v.shape = None, None
-    try:
-        yield
-    finally:
-        for v, type_, shape in cleared:
-            v.type, v.shape = type_, shape
-
-
-def release(model: ir.Model) -> bool:
+def release(model: ir.Model, flat: bool = False) -> bool:
     """Unlink an IR that will not be used again, so reference counting frees it at once.
 
     onnx_ir links nodes, values, graphs and the boxes of its node lists both ways, so a
@@ -663,15 +549,15 @@ def release(model: ir.Model) -> bool:
     way ``model`` is unusable afterwards.
     """
     try:
-        for graph in model_graphs(model):  # listed first: unlinking stops the walk
-            _unlink_graph(graph)
+        for graph in model_graphs(model, flat):  # listed first: unlinking stops the walk
+            unlink_graph(graph)
     except AttributeError as e:
         logger.debug("could not unlink the IR (%s); the garbage collector will free it", e)
         return False
     return True
 
 
-def _unlink_graph(graph: ir.Graph) -> None:
+def unlink_graph(graph: ir.Graph) -> None:
     # Cut every cycle once: node <-> its outputs (producer), node <-> its inputs (uses),
     # node <-> its graph and its attribute map, graph <-> its I/O values and containers,
     # and the list boxes (each pair of neighbours, the root, the id map).
@@ -689,197 +575,6 @@ def _unlink_graph(graph: ir.Graph) -> None:
     nodes._root.next = nodes._root.prev = nodes._root.owning_list = None
 
 
-def to_proto(model: ir.Model) -> onnx.ModelProto:
-    with initializers_undescribed(model):
-        return _retry_with_text_names(model, lambda: ir.to_proto(model))
-
-
-def _retry_with_text_names(model: ir.Model, serialise):
-    """``serialise()``; if it fails on text that is not valid UTF-8, once more with it
-    escaped (``repair_all_text``), so the common case pays nothing for the check."""
-    try:
-        return serialise()
-    except Exception:
-        repaired = repair_all_text(model)
-        if not repaired:
-            raise
-        _warn_repaired("the model", repaired)
-        return serialise()
-
-
-def save_model(model: ir.Model, output: str | os.PathLike,
-               keep: Iterable[str | os.PathLike] = ()) -> Path:
-    """Write ``model`` with its weights in a data file beside it, committed as a pair.
-
-    The data file's name is new for each write (``OUTPUT.<token>.data``), so replacing the
-    model file is the single commit: a run killed before it leaves the old model with its old
-    weights, one killed after it the new pair. Data files of earlier writes to ``output`` go
-    only after the commit, except those in ``keep`` (files the run reads). The file is checked
-    by path before the commit (in memory the model may be too large for protobuf), so an
-    invalid model never lands at ``output``.
-    """
-    out = Path(output)
-    data_name = f"{out.name}.{secrets.token_hex(4)}{DATA_SUFFIX}"
-    with _staged(out) as tmp_model:
-        with initializers_undescribed(model):
-            _retry_with_text_names(
-                # binary whatever the name: onnx_ir picks JSON/text from the extension
-                model, lambda: ir.save(model, tmp_model, format="protobuf",
-                                       external_data=data_name))
-        _check_saved(tmp_model)
-        os.replace(tmp_model.with_name(data_name), out.parent / data_name)
-        _commit(tmp_model, out, data_name, keep)
-    logger.info("wrote %s (+ %s)", out, data_name)
-    return out
-
-
-def save_proto(proto: onnx.ModelProto, output: str | os.PathLike,
-               keep: Iterable[str | os.PathLike] = ()) -> Path:
-    """Write an in-memory model atomically. Writing the ModelProto the check already built
-    saves serialising the IR again."""
-    out = Path(output)
-    with _staged(out) as tmp_model:
-        tmp_model.write_bytes(proto.SerializeToString())
-        _commit(tmp_model, out, None, keep)
-    logger.info("wrote %s", out)
-    return out
-
-
-def write_bytes_atomically(path: str | os.PathLike, data: bytes) -> Path:
-    """Write ``data`` to ``path`` by rename: never half-written (reports, side files)."""
-    path = Path(path)
-    with _staged(path) as tmp:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    return path
-
-
-DATA_SUFFIX = ".data"
-TEMP_PREFIX = ".amp_rewrite_tmp-"  # + pid + "-" + random: see remove_stale_temp_dirs
-
-
-def _commit(tmp_model: Path, out: Path, data_name: str | None,
-            keep: Iterable[str | os.PathLike]) -> None:
-    """Replace ``out`` by ``tmp_model`` (one rename), then remove data files of ours that
-    nothing references any more: the replaced model's at once, orphans of a run killed
-    between its two renames once they are an hour old (a younger one may be a concurrent
-    write's, not yet committed). Files the run reads (``keep``) always stay; ``data_name``
-    is the new model's own data file (None: weights inline)."""
-    ours = [p for p in _our_data_files(out) if p.name != data_name]
-    if not ours:  # the common case: nothing to clean, no need to read the replaced model
-        os.replace(tmp_model, out)
-        return
-    replaced = _referenced_data_files(out) if out.is_file() else set()
-    os.replace(tmp_model, out)
-    kept = {_identity(Path(p)) for p in keep}
-    for stale in ours:
-        if _identity(stale) in kept:
-            continue
-        if stale.name in replaced or _age_s(stale) > ORPHAN_AGE_S:
-            with contextlib.suppress(OSError):
-                stale.unlink()
-                logger.info("removed %s (weights no model refers to)", stale)
-
-
-ORPHAN_AGE_S = 3600
-
-
-def _age_s(path: Path) -> float:
-    try:
-        return time.time() - path.stat().st_mtime
-    except OSError:
-        return 0.0
-
-
-def _our_data_files(out: Path) -> list[Path]:
-    """``OUT.data`` and ``OUT.<8 hex>.data``: the names this module gives data files."""
-    pattern = re.compile(re.escape(out.name) + r"(\.[0-9a-f]{8})?" + re.escape(DATA_SUFFIX))
-    with contextlib.suppress(OSError):
-        return [p for p in out.parent.iterdir() if pattern.fullmatch(p.name) and p.is_file()]
-    return []
-
-
-def _referenced_data_files(model_path: Path) -> set[str]:
-    try:
-        proto = onnx.load(str(model_path), format="protobuf", load_external_data=False)
-    except Exception:  # noqa: BLE001 - unreadable: keep every file
-        return {p.name for p in _our_data_files(model_path)}
-    return {kv.value for t in proto.graph.initializer
-            if t.data_location == onnx.TensorProto.EXTERNAL
-            for kv in t.external_data if kv.key == "location"}
-
-
-@contextlib.contextmanager
-def _staged(out: Path) -> Iterator[Path]:
-    """A temporary directory beside ``out`` named ``TEMP_PREFIX<pid>-...``, removed on
-    success, failure and KeyboardInterrupt (the CLI turns SIGTERM into one); the caller
-    renames its files out. The output is never half-written, the input never touched."""
-    remove_stale_temp_dirs(out.parent)
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f"{TEMP_PREFIX}{os.getpid()}-") as tmp:
-        yield Path(tmp) / out.name
-
-
-def remove_stale_temp_dirs(directory: Path) -> list[Path]:
-    """Remove temp dirs of ours whose process is gone (a run killed with SIGKILL)."""
-    removed = []
-    with contextlib.suppress(OSError):
-        for entry in Path(directory).iterdir():
-            pid = _temp_dir_pid(entry)
-            if (pid is not None and not _process_alive(pid) or _is_legacy_temp_dir(entry)) \
-                    and entry.is_dir():
-                shutil.rmtree(entry, ignore_errors=True)
-                removed.append(entry)
-                logger.info("removed %s, left by a killed run", entry)
-    return removed
-
-
-def _is_legacy_temp_dir(entry: Path) -> bool:
-    """``.amp_rewrite_XXXXXXXX`` (tempfile's 8 characters), as versions before the pid in
-    the name made them; one not touched for an hour belongs to no running rewrite."""
-    return LEGACY_TEMP.fullmatch(entry.name) is not None and _age_s(entry) > LEGACY_TEMP_AGE_S
-
-
-LEGACY_TEMP = re.compile(r"\.amp_rewrite_[a-z0-9_]{8}")
-LEGACY_TEMP_AGE_S = 3600
-
-
-def _temp_dir_pid(entry: Path) -> int | None:
-    if not entry.name.startswith(TEMP_PREFIX):
-        return None
-    pid = entry.name[len(TEMP_PREFIX):].split("-", 1)[0]
-    return int(pid) if pid.isdigit() else None
-
-
-def _process_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
-
-
-def _identity(path: Path) -> tuple:
-    """What two paths must share to be the same file: (device, inode) when it exists (hard
-    links, symlinks, ``..``), else the resolved path."""
-    try:
-        st = path.stat()
-        return (st.st_dev, st.st_ino)
-    except OSError:
-        return (str(path.resolve()),)
-
-
-def _check_saved(path: Path) -> None:
-    try:
-        onnx.checker.check_model(str(path), full_check=True)
-    except Exception as e:
-        raise OutputCheckError(f"internal error: the rewritten model fails the ONNX checker: "
-                         f"{_first_line(e)}") from e
-
-
-def input_had_external_data(model: ir.Model) -> bool:
+def had_external_data(model: ir.Model) -> bool:
     return any(isinstance(v.const_value, ir.ExternalTensor)
                for v in model.graph.initializers.values())

@@ -1,4 +1,5 @@
-"""Helpers shared by the adapters: GC pausing, option normalising, background work."""
+"""Process helpers shared by the adapters, not planning: GC pausing, option normalising,
+forked background work."""
 from __future__ import annotations
 
 import contextlib
