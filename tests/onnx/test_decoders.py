@@ -38,6 +38,8 @@ def test_cli_decoder_within_tolerance_of_torch(exported, dtype, tmp_path, capsys
     assert main([str(path), "-o", str(out), "--dtype", dtype, "-q"]) == 0, capsys.readouterr()
     model = onnx.load(str(out))
     onnx.checker.check_model(model, full_check=True)
+    gqa = sum(n.op_type == "GroupQueryAttention" for n in model.graph.node)
+    assert gqa == (decoders.LAYERS if name in GQA_NAMES else 0), gqa
     pasts = [decoders.PAST, LONG_PAST] if decoders.spec(name).has_past else [0]
     for past in pasts:
         error = _error_vs_torch(model, name, deployed.run_reference, past)
@@ -60,7 +62,9 @@ def test_low_io_cache_is_fp16_and_32_chained_steps_stay_accurate(tmp_path, capsy
     fp16, fp32 = onnx.TensorProto.FLOAT16, onnx.TensorProto.FLOAT
     assert {types[n] for n in types if n.startswith(("past_key_values.", "present."))} == {fp16}
     assert types["logits"] == fp32  # the rest keep their types
+    assert sum(n.op_type == "GroupQueryAttention" for n in model.graph.node) == decoders.LAYERS
     assert deployed.chained_error(model, name, run=deployed.run_ort) <= TOLERANCE
+    assert deployed.chained_error(model, name, run=deployed.run_reference) <= TOLERANCE
 
 
 def test_low_io_whisper_cross_cache_also_low(tmp_path):
@@ -128,14 +132,19 @@ def _kv_cast_sources(model: onnx.ModelProto) -> dict[str, str]:
 
 @pytest.mark.parametrize("name", ["llama-decode", "qwen2-decode"])
 def test_bounded_cos_sin_cast_kv_before_head_repeat(name, monkeypatch):
-    """With Cos/Sin's output bounded the rotary runs fp16, K/V are cast on the Concat with the
-    cache (before the GQA head repeat), the angles stay fp32, and cast traffic falls."""
+    """With Cos/Sin's output bounded the rotary runs fp16, the cache is cast at the
+    GroupQueryAttention's cache I/O (no head repeat is left to cast after), the angles stay
+    fp32, and cast traffic falls."""
     path = decoders.cached_decoder(name)
     feeds = decoders.inputs(name)
     model = deployed.convert_ours(path)
     sources = _kv_cast_sources(model)
+    producer = {o: n for n in model.graph.node for o in n.output}
     present = {f"present.{i}.{kv}" for i in range(decoders.LAYERS) for kv in ("key", "value")}
-    assert present <= set(sources), sources  # the cache Concat's output, not a repeat's
+    # fp16 present from GQA, cast up once to the fp32 graph output
+    assert {producer[producer[p].input[0]].op_type for p in present} == {"GroupQueryAttention"}
+    cast_inputs = {n.input[0] for n in model.graph.node if n.op_type == "Cast"}
+    assert {f"past_key_values.{p[len('present.'):]}" for p in present} <= cast_inputs
     assert not {"Expand", "Reshape"} & set(sources.values()), sources
     assert {"Cos", "Sin"} <= set(sources.values())  # bounded outputs cast once each
     dtypes = {o: t for n, ts in deployed.node_dtypes(model) for o, t in zip(n.output, ts)}
@@ -255,7 +264,7 @@ def test_rope_fuses_to_rotary_embedding_with_fp32_angles(name):
     result = rewrite_onnx_model(decoders.cached_decoder(name))
     fused = result.report["fused"]
     assert fused.get("com.microsoft::RotaryEmbedding") == 2 * decoders.LAYERS, fused
-    assert fused.get("com.microsoft::MultiHeadAttention") == decoders.LAYERS, fused
+    assert fused.get("com.microsoft::GroupQueryAttention") == decoders.LAYERS, fused
     assert result.report["fusion_rules"].get("amp_rewrite.rotary_embedding") == 4
     model = result.model
     ropes = [n for n in model.graph if n.op_type == "RotaryEmbedding"]
@@ -266,3 +275,191 @@ def test_rope_fuses_to_rotary_embedding_with_fp32_angles(name):
     assert cos.outputs[0].dtype.name == "FLOAT" and cos.inputs[0].dtype.name == "FLOAT"
     assert {n.inputs[0].dtype.name for n in ropes} == {"FLOAT16"}
     assert not any(n.op_type == "Neg" for n in model.graph)  # no rotate_half left
+
+
+# -- GQA attention → com.microsoft::GroupQueryAttention (fusion/decoding.py) -----------------
+
+GQA_NAMES = ["llama-decode", "llama-prefill", "qwen2-decode", "qwen2-prefill"]
+
+
+def _gqa_independent(q, k, v, past_k, past_v, lengths, group, scale):
+    """Causal GQA in torch float64 from the definition: query row s of batch b (past p_b =
+    lengths[b] − S, 0 on a prompt) sees keys [0, p_b + s + 1) of concat(past[:p_b], new);
+    query head n reads KV head n // group. q (B, N, S, H), k/v (B, Nkv, S, H)."""
+    import torch
+
+    t = lambda a: torch.from_numpy(np.asarray(a, np.float64))  # noqa: E731
+    q, k, v = t(q), t(k), t(v)
+    b, n, s, _ = q.shape
+    out = torch.zeros_like(q)
+    for i in range(b):
+        p = 0 if past_k is None else int(lengths[i]) - s
+        keys = k[i] if past_k is None else torch.cat((t(past_k)[i, :, :p], k[i]), dim=1)
+        vals = v[i] if past_v is None else torch.cat((t(past_v)[i, :, :p], v[i]), dim=1)
+        keys, vals = keys.repeat_interleave(group, 0), vals.repeat_interleave(group, 0)
+        allowed = torch.arange(keys.shape[1])[None, :] <= (p + torch.arange(s))[:, None]
+        out[i] = torch.nn.functional.scaled_dot_product_attention(
+            q[i], keys, vals, attn_mask=allowed, scale=scale)
+    return out.numpy()
+
+
+def _gqa_model(elem, b, s, n, nkv, h, past, scale):
+    from onnx import helper
+
+    inputs = [helper.make_tensor_value_info("q", elem, [b, s, n * h]),
+              helper.make_tensor_value_info("k", elem, [b, s, nkv * h]),
+              helper.make_tensor_value_info("v", elem, [b, s, nkv * h])]
+    names = ["q", "k", "v", "", "", "seqlens_k", "total"]
+    if past:
+        inputs += [helper.make_tensor_value_info(x, elem, [b, nkv, past, h]) for x in ("pk", "pv")]
+        names[3:5] = ["pk", "pv"]
+    inputs += [helper.make_tensor_value_info("seqlens_k", onnx.TensorProto.INT32, [b]),
+               helper.make_tensor_value_info("total", onnx.TensorProto.INT32, [])]
+    node = helper.make_node("GroupQueryAttention", names, ["y", "present_k", "present_v"],
+                            domain="com.microsoft", num_heads=n, kv_num_heads=nkv, scale=scale)
+    outputs = [helper.make_tensor_value_info("y", elem, None),
+               helper.make_tensor_value_info("present_k", elem, None),
+               helper.make_tensor_value_info("present_v", elem, None)]
+    graph = helper.make_graph([node], "gqa", inputs, outputs)
+    return helper.make_model(graph, ir_version=9, opset_imports=[
+        helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("step", ["decode", "prefill", "prefill-right-padded"])
+def test_gqa_reference_kernel_matches_independent_gqa_and_ort(dtype, step):
+    import onnxruntime as ort
+
+    from amp_rewrite.onnx.validate import reference_evaluator
+
+    b, n, nkv, h, scale = 2, 4, 2, 16, 0.3
+    rng = np.random.default_rng(3)
+    past = 7 if step == "decode" else 0
+    s = 1 if step == "decode" else 6
+    total = past + s
+    lengths = np.array([total, total - 2 if step.endswith("padded") else total])
+    q = rng.standard_normal((b, n, s, h)).astype(dtype)
+    k = rng.standard_normal((b, nkv, s, h)).astype(dtype)
+    v = rng.standard_normal((b, nkv, s, h)).astype(dtype)
+    bsd = lambda x: x.transpose(0, 2, 1, 3).reshape(b, s, -1)  # noqa: E731
+    feeds = {"q": bsd(q), "k": bsd(k), "v": bsd(v), "seqlens_k": (lengths - 1).astype(np.int32),
+             "total": np.array(total, np.int32)}
+    past_k = past_v = None
+    if past:
+        past_k = rng.standard_normal((b, nkv, past, h)).astype(dtype)
+        past_v = rng.standard_normal((b, nkv, past, h)).astype(dtype)
+        feeds.update(pk=past_k, pv=past_v)
+    model = _gqa_model(helper_elem(dtype), b, s, n, nkv, h, past, scale)
+    expect = _gqa_independent(q, k, v, past_k, past_v, lengths, n // nkv, scale)
+    expect = expect.transpose(0, 2, 1, 3).reshape(b, s, n * h)
+    got = reference_evaluator(model).run(None, feeds)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    ort_out = session.run(None, feeds)
+    assert got[0].dtype == dtype and got[1].shape == ort_out[1].shape
+    tol = 1e-6 if dtype == np.float32 else 2e-3
+    rows = [(i, slice(0, int(lengths[i]) - past)) for i in range(b)]  # padded rows: undefined
+    for i, valid in rows:
+        np.testing.assert_allclose(got[0][i, valid].astype(np.float64), expect[i, valid],
+                                   rtol=0, atol=tol)
+        np.testing.assert_allclose(got[0][i, valid].astype(np.float64),
+                                   ort_out[0][i, valid].astype(np.float64), rtol=0, atol=tol)
+    for mine, theirs in zip(got[1:], ort_out[1:]):  # present: bit-exact copies
+        np.testing.assert_array_equal(mine, theirs)
+    if past:
+        np.testing.assert_array_equal(got[1][:, :, :past], past_k)
+        np.testing.assert_array_equal(got[1][:, :, past:], k)
+
+
+def helper_elem(dtype) -> int:
+    return onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+
+
+@pytest.mark.parametrize("name", GQA_NAMES)
+def test_gqa_decoders_fuse_to_group_query_attention(name):
+    """Both layers' attention (cache Concat, repeat_kv, SDPA, causal ∧ padding mask) become
+    GroupQueryAttention: no head repeat left, the decode step's present.* come from it."""
+    from amp_rewrite.onnx.api import rewrite_onnx_model
+
+    result = rewrite_onnx_model(decoders.cached_decoder(name))
+    fused = result.report["fused"]
+    assert fused.get("com.microsoft::GroupQueryAttention") == decoders.LAYERS, fused
+    assert "com.microsoft::MultiHeadAttention" not in fused, fused
+    assert result.report["fusion_rules"].get("amp_rewrite.group_query_attention") == 2
+    model = result.model
+    ops = [n.op_type for n in model.graph]
+    assert "Expand" not in ops and "Softmax" not in ops and "GatherND" not in ops, ops
+    gqas = [n for n in model.graph if n.op_type == "GroupQueryAttention"]
+    for node in gqas:
+        attrs = {k: v.value for k, v in node.attributes.items()}
+        assert attrs == {"num_heads": 4, "kv_num_heads": 2, "scale": 0.25, "do_rotary": 0}
+    if decoders.spec(name).has_past:
+        assert "Concat" not in {n.op_type for n in model.graph
+                                if n.outputs[0].dtype is not None and n.outputs[0].dtype.name
+                                in ("FLOAT", "FLOAT16")}
+        readers = {n.inputs[3].name for n in gqas} | {n.inputs[4].name for n in gqas}
+        assert len(readers) == 2 * decoders.LAYERS
+
+
+def _padded(name: str, side: str) -> dict[str, np.ndarray]:
+    feeds = decoders.inputs(name, batch=2)
+    mask = feeds["attention_mask"]
+    pad = 5
+    if side == "right":
+        mask[1, -pad:] = 0
+    else:
+        mask[1, :pad] = 0
+        feeds["position_ids"][1] = np.maximum(np.arange(mask.shape[1]) - pad, 0)
+    return feeds
+
+
+@pytest.mark.parametrize("name", ["llama-prefill", "qwen2-prefill"])
+def test_gqa_prefill_right_padding_exact_left_padding_not(name):
+    """GQA's contract: a row's valid keys are [0, seqlens_k]. A right-padded prompt is exact
+    on its valid rows and on the whole present cache (fp32 rewrite vs the export, ORT); a
+    left-padded one is not (documented: such batches need the unfused model)."""
+    import onnx_ir as ir
+
+    from amp_rewrite.onnx.api import rewrite_onnx_model
+
+    path = decoders.cached_decoder(name)
+    result = rewrite_onnx_model(path)
+    assert result.report["fused"].get("com.microsoft::GroupQueryAttention") == decoders.LAYERS
+    model = ir.to_proto(result.model)
+    feeds = _padded(name, "right")
+    ref = decoders.torch_reference(name, feeds)
+    got = deployed.run_ort(model, feeds)
+    valid = decoders.PROMPT - 5
+    assert deployed.relative_error([got[0][1, :valid]], [ref[0][1, :valid]]) <= TOLERANCE
+    assert deployed.relative_error([got[0][0]], [ref[0][0]]) <= TOLERANCE
+    assert deployed.relative_error(got[1:], ref[1:]) <= TOLERANCE  # present: all rows
+    feeds = _padded(name, "left")
+    ref = decoders.torch_reference(name, feeds)
+    got = deployed.run_ort(model, feeds)
+    assert deployed.relative_error([got[0][1, 5:]], [ref[0][1, 5:]]) > 0.1
+
+
+@pytest.mark.parametrize("mutation", ["strict_causal", "weak_fill", "no_padding"])
+def test_gqa_declines_unproven_masks_and_mha_runs(mutation):
+    import onnx_ir as ir
+
+    from amp_rewrite.onnx.api import rewrite_onnx_model
+
+    model = ir.load(str(decoders.cached_decoder("llama-decode")))
+    if mutation == "strict_causal":
+        node = next(n for n in model.graph if n.op_type == "LessOrEqual")
+        node.op_type = "Less"
+    elif mutation == "weak_fill":
+        where = next(n for n in model.graph if n.op_type == "Where"
+                     and n.inputs[0].producer() is not None
+                     and n.inputs[0].producer().op_type == "And")
+        where.replace_input_with(2, ir.Value(name="fill", const_value=ir.tensor(
+            np.array(-100.0, np.float32))))
+        model.graph.initializers["fill"] = where.inputs[2]
+    else:
+        gather = next(n for n in model.graph if n.op_type == "GatherND")
+        outer = next(u.node for u in gather.outputs[0].uses() if u.node.op_type == "And")
+        outer.replace_input_with(1, outer.inputs[0])
+    result = rewrite_onnx_model(model)
+    fused = result.report["fused"]
+    assert "com.microsoft::GroupQueryAttention" not in fused, fused
+    assert fused.get("com.microsoft::MultiHeadAttention") == decoders.LAYERS, fused

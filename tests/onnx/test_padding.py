@@ -227,9 +227,10 @@ def test_small_memory_bound_mlp_is_left_unpadded_by_the_default_cost_model():
 
 
 def test_report_has_totals_when_no_weight_is_misaligned():
-    """bf16 Conv has no kernel type at opset 18: the convs stay fp32, nothing is padded, and
-    the report still has every total (the CLI row and tools read them)."""
-    report = rewrite_onnx_model(cnn_3_13_7(), dtype="bf16", pad=COMPUTE_BOUND).report["padding"]
+    """bf16 Conv has no kernel type at opset 18 (kept with ``opset=18``): the convs stay fp32,
+    nothing is padded, and the report still has every total (the CLI row and tools read them)."""
+    report = rewrite_onnx_model(cnn_3_13_7(), dtype="bf16", pad=COMPUTE_BOUND,
+                                opset=18).report["padding"]
     assert report["padded_ops"] == 0 and report["extra_flop_fraction"] == 0.0
     assert report["pads_inserted"] == report["slices_inserted"] == 0
 

@@ -40,12 +40,13 @@ FUSED_OPS = frozenset({
     "SimplifiedLayerNormalization",
     *(f"{MS_DOMAIN}::{op}" for op in (
         "Gelu", "FastGelu", "BiasGelu", "QuickGelu", "SkipLayerNormalization",
-        "SkipSimplifiedLayerNormalization", "MultiHeadAttention", "RotaryEmbedding")),
+        "SkipSimplifiedLayerNormalization", "MultiHeadAttention", "RotaryEmbedding",
+        "GroupQueryAttention")),
 })
 # Fused ops whose first output has the shape of the first input.
 _SHAPE_OF_INPUT0 = {"LayerNormalization", "RMSNormalization", "Gelu", "FastGelu", "BiasGelu",
                     "QuickGelu", "SimplifiedLayerNormalization", "SkipLayerNormalization",
-                    "SkipSimplifiedLayerNormalization", "RotaryEmbedding"}
+                    "SkipSimplifiedLayerNormalization", "RotaryEmbedding", "GroupQueryAttention"}
 
 register_default_domain_contrib_ops()
 
@@ -117,6 +118,10 @@ def _ort_steps() -> list[FusionStep]:
         FusionStep("amp_rewrite.rotary_embedding", _ops("Cos"), decoding.rotary_rules,
                    wanted=decoding.has_rotary_tables),
         FusionStep("amp_rewrite.key_transpose", _ops("Transpose"), canonical.key_transpose_rules,
+                   rounds=1, wanted=_softmax_feeds_matmul),
+        # GQA decoders (head repeat + KV-cache Concat + causal/padding mask from
+        # attention_mask) before SDPA takes their attention; declines leave it to SDPA/MHA.
+        FusionStep("amp_rewrite.group_query_attention", _ops("Softmax"), decoding.gqa_rules,
                    rounds=1, wanted=_softmax_feeds_matmul),
         # SDPA is an intermediate function call; the next step turns it into
         # MultiHeadAttention and _finish inlines any call it could not convert.

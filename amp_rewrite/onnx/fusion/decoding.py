@@ -405,8 +405,11 @@ class GroupQueryAttentionFusion(pattern.RewriteRuleClassBase):
     become the op's present outputs."""
 
     def __init__(self, with_past: bool) -> None:
+        # remove_nodes=False: the key-transpose step leaves its dead shape computations
+        # reading the head repeat until the pass's final cleanup (which drops the matched
+        # nodes too); a live outside reader simply keeps its value.
         super().__init__("amp_rewrite.GroupQueryAttention" + ("" if with_past else ".prompt"),
-                         remove_nodes=True)
+                         remove_nodes=False)
         self.with_past = with_past
         self._seqlens: dict[ir.Value, tuple[ir.Value, ir.Value]] = {}
         self._found: dict = {}
