@@ -384,15 +384,12 @@ def _runs_on(args, result) -> str | None:
 
 
 def _explain(result, name: str) -> None:
-    from amp_rewrite.core.rules import close_match
+    from amp_rewrite.core.report import UnknownNodeError
 
-    lines = result.explain(name)
-    if lines:
-        print("\n".join(lines))
-        return
-    names = {g.name for g in result.pass_.view.graph.groups() if g.name}
-    logger.warning("--explain %r: no node of that name with float ports%s", name,
-                   close_match(name, names))
+    try:
+        print("\n".join(result.explain(name)))
+    except UnknownNodeError as e:
+        logger.warning("--explain %r: no node of that name with float ports%s", name, e.near)
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -429,6 +426,11 @@ def _print_summary(r: dict, args) -> None:
         low_io = r["low_io"]
         rows.insert(4, ("low-precision I/O", f"{len(low_io['values'])} values, saves "
                         f"{format_bytes_saved(low_io['bytes_saved'])} per run"))
+    if any(k.endswith("GroupQueryAttention") for k in r.get("fused", {})):
+        # GQA takes the valid lengths (seqlens_k), not the mask: exact for unpadded and
+        # right-padded batches only (docs/decisions/0031b-llm-decoding.md)
+        rows.insert(2, ("note", "GroupQueryAttention expects right-padded attention_mask "
+                                "(left-padded batches: --no-fuse)"))
     if r.get("opset_advice"):
         rows.insert(2, ("note", r["opset_advice"]))
     if r.get("runs_on"):

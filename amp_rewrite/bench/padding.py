@@ -206,7 +206,7 @@ def eligible_aligned(before: PadGraph, after: PadGraph, policy: PadPolicy,
 
 _WHY = (("cost model", "cost model"), ("tiny op", "tiny"), ("grouped conv", "grouped"),
         ("symbolic", "symbolic"), ("activations", "activation GEMMs off"),
-        ("max_flop_ratio", "cap"), ("unknown", "unknown"), ("differs", "operands differ"))
+        ("unknown", "unknown"), ("differs", "operands differ"))
 
 
 def why_misaligned(plan_graph: PadGraph, before: PadGraph, after: PadGraph,
@@ -482,8 +482,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", default="fp16,bf16")
     parser.add_argument("--compile", action="store_true",
                         help="also torch.export and torch.compile the padded user modules")
-    parser.add_argument("--max-flop-ratio", type=float, default=None,
-                        help="optional hard cap on a dim's padded/unpadded size")
     parser.add_argument("--no-activation-gemms", action="store_true",
                         help="never pad GEMMs of two activations (attention's token dims)")
     parser.add_argument("--compute-bound", action="store_true",
@@ -491,8 +489,7 @@ def main(argv: list[str] | None = None) -> int:
                              "compute-bound shapes (the zoo's widths are tiny)")
     parser.add_argument("--json", default="padding_bench.json")
     args = parser.parse_args(argv)
-    policy = PadPolicy(max_flop_ratio=args.max_flop_ratio,
-                       pad_activation_gemms=not args.no_activation_gemms,
+    policy = PadPolicy(pad_activation_gemms=not args.no_activation_gemms,
                        memory_tbps=math.inf if args.compute_bound else PadPolicy.memory_tbps)
     logging.basicConfig(level=logging.WARNING)
     rows = []

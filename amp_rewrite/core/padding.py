@@ -38,7 +38,6 @@ Decisions, kept apart as in Inductor's ``pad_mm``:
   ``symbolic_dim_size`` with the mean pad of (multiple − 1)/2 (ONNX). ``can_pad`` allows
   them where the adapter computes runtime pad amounts (ONNX: Shape/Mod arithmetic,
   ``plan_padding(runtime_pads=True)``); the fx adapter pads static sizes only.
-  ``max_flop_ratio`` (None by default) is an optional hard cap on padded/unpadded per dim.
 
 Regions. A padded GEMM N (or conv Cout) dim makes its output *produced padded*: the new
 columns are exactly 0 (zero weight columns, zero bias). The padded layout then propagates
@@ -138,19 +137,12 @@ class PadPolicy:
       of an op with a dim below ``multiple`` (cuDNN's "Convolutional Layers User's Guide",
       Quick-Start Checklist: channels divisible by 8 to run on Tensor Cores; pad the 3-channel
       first layer).
-    * ``misaligned_slowdown`` = 1.6: time of a misaligned GEMM over the same GEMM padded,
-      measured on an H100 (issue 15: −38% time after padding, 1/0.62); applied to the whole
-      roofline time (misaligned rows also forbid 16-byte vector loads). Conservative: on an
-      H200 (``python -m amp_rewrite.bench gpu gemm``, 2026-11-26) compute-bound GEMMs with K and/or N odd
-      ran 4.9-5.9x slower than padded (MLP 8192x4095x11007: 140 vs 692 useful TFLOP/s; GPT-2's
-      LM head 4096x768x50257: 122 vs 624), so those pad under either figure; memory-bound
-      misaligned GEMMs, where the runtime copies decide, were not measured, and a larger
-      factor would also scale their traffic term.
+    * ``misaligned_slowdown`` = 1.6: time of a misaligned GEMM over the same GEMM padded
+      (measured on an H100; conservative against the H200's 4.9-5.9x: decision records 0019,
+      0023), applied to the whole roofline time.
     * ``pad_small_conv_channels`` = False: convolutions with fewer than ``multiple`` input
-      channels (an image stem's 3) are not padded. Measured on the same H200: ResNet-50's
-      stem (64x3x224x224, 7x7/2) ran 5x slower with C_in zero-padded to 8 in fp16 (40 vs 8
-      useful TFLOP/s; bf16 2.8x): cuDNN has kernels of its own for few channels, which the
-      Tensor-Core checklist below predates.
+      channels (an image stem's 3) are not padded: cuDNN's own few-channel kernels ran faster
+      than the padded conv (0023).
     * ``memory_tbps`` = 3.35: HBM3 bandwidth of the H100 SXM5 80 GB (same whitepaper).
     * ``symbolic_dim_size`` = 512: size assumed for a symbolic dim without an example size
       (profitability depends on the absolute size, unlike cast costs, whose nominal
@@ -158,11 +150,9 @@ class PadPolicy:
     * ``min_weight_elements`` = 256: ops below it are launch-bound, padding them buys nothing.
     * ``pad_activation_gemms``: let the cost model consider GEMMs whose operands are both
       activations (attention); False refuses them outright.
-    * ``max_flop_ratio``: optional hard cap on a dim's padded/unpadded size (None: none).
     """
 
     multiple: int = 8
-    max_flop_ratio: float | None = None
     min_weight_elements: int = 256
     pad_activation_gemms: bool = True
     pad_small_conv_channels: bool = False
@@ -388,13 +378,9 @@ def should_pad(graph: PadGraph, op: PadOp, candidates: Mapping[str, DimPad],
         return {}, {r: "both operands are activations (pad_activation_gemms=False)"
                     for r in candidates}
     cost = _Cost(graph, op, policy, slice_is_view, unpadded_n)
-    allowed = {r: d for r, d in candidates.items()
-               if policy.max_flop_ratio is None or d.ratio <= policy.max_flop_ratio}
+    allowed = dict(candidates)
     for role, dim in candidates.items():
-        if role not in allowed:
-            refused[role] = (f"{role} {dim.size}→{dim.padded} is over max_flop_ratio "
-                             f"{policy.max_flop_ratio}")
-        elif _small_conv_channels(role, dim, policy):
+        if _small_conv_channels(role, dim, policy):
             del allowed[role]
             refused[role] = (f"Cin {dim.size}→{dim.padded}: few-channel convs run faster "
                              "unpadded (pad_small_conv_channels=False)")

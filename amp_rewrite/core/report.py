@@ -1,12 +1,55 @@
-"""Per-node decision records and summaries, shared by the ONNX and fx adapters."""
+"""The one report schema of both adapters, and the one ``explain`` over it.
+
+``Report.to_json()`` gives the documented JSON (README: ``--report`` keys, ``gm.amp_report``):
+the shared keys, then the path's own ``extra`` keys (ONNX ``opset_conversion``, ``low_io``;
+torch ``emulated_gemms``, ``device``, ...). ``Report.why`` maps node names to the reasons
+``explain`` prints; it is not serialised.
+"""
 from __future__ import annotations
 
+import re
 from collections import Counter
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 from amp_rewrite.core.graph import SINK_OP, SOURCE_OP, PrecisionGraph
-from amp_rewrite.core.plan import PrecisionPlan
+from amp_rewrite.core.plan import PrecisionPlan, explain_chain
 from amp_rewrite.core.precision import Precision
+from amp_rewrite.core.rules import close_match
+from amp_rewrite.errors import UsageError
+
+
+@dataclass
+class Report:
+    """What a rewrite decided and did; ``extra`` holds the keys only one path has."""
+
+    dtype: str
+    nodes: list[dict]
+    casts_inserted: int
+    cast_bytes_planned: int
+    nodes_retyped: int
+    modified: bool
+    padding: dict = field(default_factory=lambda: {"enabled": False})
+    fused: dict = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+    why: Mapping[str, list[str]] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def precision_counts(self) -> dict[str, int]:
+        counts = Counter(r["precision"] for r in self.nodes)
+        return {p.value: counts.get(p.value, 0) for p in Precision}
+
+    @property
+    def unlisted_ops(self) -> list[str]:
+        return sorted({r["op_type"] for r in self.nodes if r["class"] == "unlisted"})
+
+    def to_json(self) -> dict:
+        return {"dtype": self.dtype, "nodes": self.nodes, "casts_inserted": self.casts_inserted,
+                "cast_bytes_planned": self.cast_bytes_planned,
+                "precision_counts": self.precision_counts, "nodes_retyped": self.nodes_retyped,
+                "unlisted_ops": self.unlisted_ops, "padding": self.padding, "fused": self.fused,
+                "modified": self.modified, **self.extra}
 
 
 def node_records(plan: PrecisionPlan, graph: PrecisionGraph) -> list[dict]:
@@ -34,10 +77,59 @@ def _record(plan: PrecisionPlan, groups: list) -> dict:
     return record
 
 
-def precision_counts(records: list[dict]) -> dict[str, int]:
-    counts = Counter(r["precision"] for r in records)
-    return {p.value: counts.get(p.value, 0) for p in Precision}
+class Reasons(Mapping):
+    """Node name → the reasons behind each of its groups' precision, built on lookup (an
+    ONNX model of 50k nodes never pays for the chains nobody asks about). ``prefix(name,
+    keys)`` gives lines to put first (what created the node)."""
+
+    def __init__(self, plan: PrecisionPlan, graph: PrecisionGraph,
+                 prefix: Callable[[str, list], list[str]] | None = None) -> None:
+        self.plan, self.graph, self.prefix = plan, graph, prefix
+        self._keys: dict[str, list] = {}
+        for g in graph.groups():
+            if g.name:
+                self._keys.setdefault(g.name, []).append(g.key)
+
+    def __getitem__(self, name: str) -> list[str]:
+        keys = self._keys[name]
+        lines = [line for k in keys for line in explain_chain(self.plan, self.graph, k)]
+        return [*(self.prefix(name, keys) if self.prefix else ()), *lines]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
 
 
-def unlisted_ops(records: list[dict]) -> list[str]:
-    return sorted({r["op_type"] for r in records if r["class"] == "unlisted"})
+class UnknownNodeError(UsageError):
+    """``explain`` of a name no node with floating-point ports has; ``near`` is the hint."""
+
+    def __init__(self, name: str, near: str) -> None:
+        super().__init__(f"no node named {name!r} with floating-point ports in this graph{near}")
+        self.near = near
+
+
+def explain(report: Report, name: str) -> list[str]:
+    """Why node ``name`` runs low or high: the chain of reasons back to its origin.
+
+    An unknown name raises ``UnknownNodeError`` naming the nearest node, or the fused nodes
+    that replaced an op of that name (``softmax`` inside attention)."""
+    lines = report.why.get(name)
+    if not lines:
+        raise UnknownNodeError(name, _near_names(report.why, name))
+    return list(lines)
+
+
+def _near_names(why: Mapping[str, list[str]], wanted: str) -> str:
+    """" (did you mean X?)", or the fused nodes that replaced an op called ``wanted``."""
+    pattern = re.compile(rf"\(replaced [^)]*\b{re.escape(wanted)}\b")
+    heads = why.items() if isinstance(why, dict) else ()  # lazy Reasons: no fused heads
+    fused_into = [name for name, lines in heads if lines and pattern.search(lines[0])]
+    if fused_into:
+        return (f"; {wanted} was fused into {', '.join(fused_into[:3])}"
+                f"{' ...' if len(fused_into) > 3 else ''}: explain that node")
+    prefixed = sorted((n for n in why if n.startswith(wanted)), key=len)
+    if prefixed:
+        return f" (did you mean {prefixed[0]}?)"
+    return close_match(wanted, why)

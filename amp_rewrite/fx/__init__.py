@@ -7,6 +7,8 @@ and dtypes, and carries ``gm.amp_report`` (the ONNX ``--report`` schema).
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import re
 import time
@@ -16,9 +18,10 @@ from typing import Any
 import torch
 
 from amp_rewrite import arguments
-from amp_rewrite.core import LowDtype, PadPolicy, RuleSet, load_rules
-from amp_rewrite.core.rules import close_match, default_rules_path
-from amp_rewrite.runtime import gc_paused, listed
+from amp_rewrite.core import PadPolicy, RuleSet, load_rules
+from amp_rewrite.core import report as core_report
+from amp_rewrite.core.rules import default_rules_path
+from amp_rewrite.runtime import gc_paused
 from amp_rewrite.errors import UsageError
 from amp_rewrite.fx import guards, lowering
 from amp_rewrite.fx.capture import capture as capture_module
@@ -29,7 +32,7 @@ from amp_rewrite.fx.lowering import (LOWERED_TAG, EmulateLowKernels, RestoreLowK
 from amp_rewrite.fx.lowering import explanation as lowering_explanation
 from amp_rewrite.fx.modes import TrainEvalModule, in_mode
 from amp_rewrite.fx.pad import PadGemms
-from amp_rewrite.fx.passes import (FunctionalizeInPlace, InlineModules, MixedPrecisionOptions,
+from amp_rewrite.fx.passes import (FunctionalizeInPlace, FxOptions, InlineModules,
                                    MixedPrecisionPass)
 from amp_rewrite.fx.masks import DropTrivialAttentionMasks
 from amp_rewrite.fx.pointwise import CUDA_MIN_SAVED_BYTES, FusePointwise, UnfuseRegions
@@ -39,8 +42,7 @@ __all__ = ["TrainEvalModule", "explain", "rewrite", "rewrite_graph"]
 
 log = logging.getLogger(__name__)
 
-_TORCH_DTYPES = {LowDtype.FLOAT16: torch.float16, LowDtype.BFLOAT16: torch.bfloat16}
-EXPLAIN_KEY = "amp_rewrite_explain"  # gm.meta key: node name -> reasons, for explain()
+REPORT_KEY = "amp_rewrite_report"  # gm.meta key: the core Report, for explain()
 
 
 def rewrite(model: torch.nn.Module, example_inputs: Any = None, *,
@@ -81,34 +83,35 @@ def rewrite(model: torch.nn.Module, example_inputs: Any = None, *,
     (timed once per distinct call); never on CUDA. True: every low kernel; False: none.
     The user's module is never mutated; the result owns copies of its parameters.
     """
-    _check_rewrite_arguments(dtype=dtype, keep_fp32=keep_fp32, keep_io_types=keep_io_types,
-                             device=device, autocast_floor=autocast_floor, mode=mode)
+    options = FxOptions.checked(dtype=dtype, rules=rules, keep_fp32=keep_fp32,
+                                keep_io_types=keep_io_types, device=device,
+                                autocast_floor=autocast_floor, pad=pad, fuse=fuse,
+                                emulate_gemms=emulate_gemms)
+    if mode is not None:
+        arguments.choice(mode, arguments.MODES, name="mode")
     if example_inputs is None and not isinstance(model, torch.fx.GraphModule):
         raise UsageError("example_inputs is required to capture an nn.Module")
     if mode is not None and isinstance(model, torch.fx.GraphModule):
         raise UsageError("mode= needs an nn.Module to capture; a GraphModule is taken as it "
                          "is, in the mode it was captured in")
-    if mode == "both":
-        return _rewrite_train_and_eval(
-            model, example_inputs, example_kwargs=example_kwargs, dtype=dtype, capture=capture,
-            dynamic_shapes=dynamic_shapes, rules=rules, keep_fp32=keep_fp32,
-            keep_io_types=keep_io_types, device=device, autocast_floor=autocast_floor, pad=pad,
-            fuse=fuse, emulate_gemms=emulate_gemms)
-    if mode is not None:
-        with in_mode(model, mode):
-            return rewrite(model, example_inputs, example_kwargs=example_kwargs, dtype=dtype,
-                           capture=capture, dynamic_shapes=dynamic_shapes, rules=rules,
-                           keep_fp32=keep_fp32, keep_io_types=keep_io_types, device=device,
-                           autocast_floor=autocast_floor, pad=pad, fuse=fuse,
-                           emulate_gemms=emulate_gemms)
+    capture_args = (model, () if example_inputs is None else example_inputs, example_kwargs,
+                    capture, dynamic_shapes)
+    if mode == "both":  # both captures, sharing one set of parameters (fx/modes.py)
+        train, eval_ = (_capture_and_rewrite(*capture_args, m, options) for m in ("train", "eval"))
+        return TrainEvalModule(train, eval_, training=model.training)
+    return _capture_and_rewrite(*capture_args, mode, options)
+
+
+def _capture_and_rewrite(model: torch.nn.Module, example_inputs: Any,
+                         example_kwargs: Mapping[str, Any] | None, capture: str,
+                         dynamic_shapes: Any, mode: str | None,
+                         options: FxOptions) -> torch.fx.GraphModule:
     start = time.perf_counter()
-    gm = capture_module(model, () if example_inputs is None else example_inputs,
-                        example_kwargs, mode=capture, dynamic_shapes=dynamic_shapes)
+    with in_mode(model, mode) if mode else contextlib.nullcontext():
+        gm = capture_module(model, example_inputs, example_kwargs, mode=capture,
+                            dynamic_shapes=dynamic_shapes)
     captured = time.perf_counter()
-    gm = rewrite_graph(gm, dtype=dtype, rules=rules, keep_fp32=keep_fp32,
-                       keep_io_types=keep_io_types, device=device,
-                       autocast_floor=autocast_floor, pad=pad, fuse=fuse,
-                       emulate_gemms=emulate_gemms)
+    gm = _rewrite_graph(gm, options)
     gm.amp_report["capture_seconds"] = round(captured - start, 4)
     return gm
 
@@ -127,61 +130,53 @@ def rewrite_graph(gm: torch.fx.GraphModule, *, dtype: torch.dtype | str = torch.
     fp32 weights with low data, and ``softmax(dtype=float32)`` counts its input conversion.
     ``emulate_gemms``: as in ``rewrite`` (CPU GEMM emulation, ``fx/lowering.py``).
     """
-    _check_rewrite_arguments(dtype=dtype, keep_fp32=keep_fp32, keep_io_types=keep_io_types,
-                             device=device, autocast_floor=autocast_floor)
-    low = LowDtype.parse(dtype)
-    device = arguments.device_type(device) or graph_device(gm)
+    return _rewrite_graph(gm, FxOptions.checked(
+        dtype=dtype, rules=rules, keep_fp32=keep_fp32, keep_io_types=keep_io_types,
+        device=device, autocast_floor=autocast_floor, pad=pad, fuse=fuse,
+        emulate_gemms=emulate_gemms))
+
+
+def _rewrite_graph(gm: torch.fx.GraphModule, options: FxOptions) -> torch.fx.GraphModule:
+    low, fuse = options.low, options.fuse
+    device = options.device or graph_device(gm)
+    options = dataclasses.replace(options, device=device)
     overlays = [default_rules_path("torch_cpu")] if device == "cpu" else []
-    rule_set = load_rules("torch", extra_files=[*overlays, *listed(rules)])
+    rule_set = load_rules("torch", extra_files=[*overlays, *options.rules])
     # a second rewrite plans on the flat graph with its low kernels
     unfused = UnfuseRegions()(gm).modified | RestoreLowKernels()(gm).modified
-    foreign_notes = _prepare_dtypes(gm, _TORCH_DTYPES[low], rule_set, keep_io_types, device)
-    options = MixedPrecisionOptions(rule_set, _TORCH_DTYPES[low], low.max_finite,
-                                    listed(keep_fp32), keep_io_types, device, autocast_floor)
+    foreign_notes = _prepare_dtypes(gm, low, rule_set, options.keep_io_types, device)
     start = time.perf_counter()
     with gc_paused():
         inlined = unfused | InlineModules()(gm).modified
-        # the GELU fusion keeps meta['val'] (re-propagating was 63% of GPT-2's rewrite)
-        FuseTanhGelu(traced=fuse)(gm)
-        fused = any([p(gm).modified for p in _pattern_passes(fuse)])
+        fused = fuse and any([p(gm).modified for p in (FuseTanhGelu(), FuseAttention(),
+                                                        FuseNorms())])
         if inlined or (fused and not fill_missing_fake_values(gm)):
             refresh_fake_values(gm)
         FunctionalizeInPlace()(gm)
         masks = DropTrivialAttentionMasks()
         masks(gm)
-        amp = MixedPrecisionPass(options)
+        amp = MixedPrecisionPass(options, rule_set)
         amp(gm)
-        padding = _pad(gm, device == "cuda" if pad is None else pad)  # a policy is truthy
-        emulated = _emulate_gemms(gm, _TORCH_DTYPES[low], device, fuse, emulate_gemms)
+        pad = device == "cuda" if options.pad is None else options.pad  # a policy is truthy
+        padding = _pad(gm, pad)
+        emulated = _emulate_gemms(gm, low, device, fuse, options.emulate_gemms)
         pointwise = FusePointwise(CUDA_MIN_SAVED_BYTES if device == "cuda" else 0)
         if fuse:  # DESIGN §4: pointwise fusion last, casts and pads included
             pointwise(gm)
-    gm.meta[EXPLAIN_KEY] = _for_device(_with_fusions(gm, amp.explanations()), device)
-    gm.amp_report = {**amp.report(), "device": device, "padding": padding,
-                     "emulated_gemms": emulated,
-                     "attention_masks_dropped": masks.dropped,
-                     "fused": _fused_summary(gm, pointwise),
-                     "seconds": round(time.perf_counter() - start, 4)}
-    _true_notes(gm.amp_report, foreign_notes)
-    for note in gm.amp_report["notes"]:
+    report = amp.report()
+    report.why = _for_device(_with_fusions(gm, report.why), device)
+    report.padding, report.fused = padding, _fused_summary(gm, pointwise)
+    notes = _true_notes(report.extra.pop("notes"), foreign_notes)
+    report.extra.update(notes=notes, device=device, emulated_gemms=emulated,
+                        attention_masks_dropped=masks.dropped,
+                        seconds=round(time.perf_counter() - start, 4))
+    gm.meta[REPORT_KEY] = report
+    gm.amp_report = report.to_json()
+    for note in notes:
         log.warning("%s", note)
     return gm
 
 
-# ------------------------------------------------- issue 18: arguments, dtypes, modes
-
-
-def _check_rewrite_arguments(*, dtype: object, keep_fp32: object, keep_io_types: object,
-                             device: object, autocast_floor: object,
-                             mode: object = None) -> None:
-    """Wrong types fail here, in one line, not deep inside the passes (``arguments``)."""
-    arguments.low_dtype(dtype)
-    arguments.patterns(keep_fp32, name="keep_fp32")
-    arguments.flag(keep_io_types, name="keep_io_types")
-    arguments.flag(autocast_floor, name="autocast_floor")
-    arguments.device_type(device)
-    if mode is not None:
-        arguments.choice(mode, arguments.MODES, name="mode")
 
 
 def _prepare_dtypes(gm: torch.fx.GraphModule, low: torch.dtype, rules: RuleSet,
@@ -195,19 +190,11 @@ def _prepare_dtypes(gm: torch.fx.GraphModule, low: torch.dtype, rules: RuleSet,
     return convert.notes
 
 
-def _true_notes(report: dict, foreign_notes: list[str]) -> None:
+def _true_notes(notes: list[str], foreign_notes: list[str]) -> list[str]:
     """Replace the generic 'no floating-point tensors' note when the model had some."""
-    if foreign_notes:
-        report["notes"] = [n for n in report["notes"] if "no floating-point tensors" not in n]
-        report["notes"][:0] = foreign_notes
-
-
-def _rewrite_train_and_eval(model: torch.nn.Module, example_inputs: Any,
-                            **options: Any) -> TrainEvalModule:
-    """Both captures, sharing one set of parameters and buffers (``fx/modes.py``)."""
-    graphs = {mode: rewrite(model, example_inputs, mode=mode, **options)
-              for mode in ("train", "eval")}
-    return TrainEvalModule(graphs["train"], graphs["eval"], training=model.training)
+    if not foreign_notes:
+        return notes
+    return [*foreign_notes, *(n for n in notes if "no floating-point tensors" not in n)]
 
 
 def _pad(gm: torch.fx.GraphModule, enabled: bool | PadPolicy) -> dict:
@@ -240,11 +227,6 @@ def _emulate_gemms(gm: torch.fx.GraphModule, low: torch.dtype, device: str, fuse
                 "requested" if requested else
                 f"GEMMs: {'native' if native else 'no native'} "
                 f"{str(low).removeprefix('torch.')} GEMM on this CPU; attention: measured")}
-
-
-def _pattern_passes(fuse: bool) -> list:
-    """Pattern fusion before the plan beside the GELU one (which runs either way, as before)."""
-    return [FuseAttention(), FuseNorms()] if fuse else []
 
 
 def _fused_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
@@ -308,24 +290,7 @@ def explain(gm: torch.fx.GraphModule, node_name: str) -> list[str]:
     """Why node ``node_name`` of a rewritten module runs low or high (the lines; the CLI
     prints them). An unknown name is a ``UsageError`` with the nearest names, including
     fused nodes that replaced an op of that name (``softmax`` inside attention)."""
-    explanations = getattr(gm, "meta", {}).get(EXPLAIN_KEY)
-    if explanations is None:
+    report = getattr(gm, "meta", {}).get(REPORT_KEY)
+    if report is None:
         raise UsageError("this GraphModule was not produced by amp_rewrite.rewrite")
-    lines = explanations.get(node_name)
-    if not lines:
-        raise UsageError(f"no node named {node_name!r} with floating-point ports in this "
-                         f"graph{_near_names(explanations, node_name)}")
-    return list(lines)
-
-
-def _near_names(explanations: dict[str, list[str]], wanted: str) -> str:
-    """" (did you mean X?)", or the fused nodes that replaced an op called ``wanted``."""
-    fused_into = [name for name, lines in explanations.items()
-                  if re.search(rf"\(replaced [^)]*\b{re.escape(wanted)}\b", lines[0])]
-    if fused_into:
-        return (f"; {wanted} was fused into {', '.join(fused_into[:3])}"
-                f"{' ...' if len(fused_into) > 3 else ''}: explain that node")
-    prefixed = sorted((n for n in explanations if n.startswith(wanted)), key=len)
-    if prefixed:
-        return f" (did you mean {prefixed[0]}?)"
-    return close_match(wanted, explanations)
+    return core_report.explain(report, node_name)

@@ -78,10 +78,8 @@ class FuseTanhGelu(PassBase):
     The fused node keeps the example value (``meta['val']``) of the chain it replaces.
     """
 
-    def __init__(self, traced: bool = True) -> None:
-        self.patterns = [(_gelu_new, _gelu_tanh)]
-        if traced:  # the symbolic_trace spelling as well
-            self.patterns.append((_gelu_new_traced, _gelu_tanh_traced))
+    def __init__(self) -> None:  # the ATen spelling and the symbolic_trace one
+        self.patterns = [(_gelu_new, _gelu_tanh), (_gelu_new_traced, _gelu_tanh_traced)]
 
     def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
         count = 0

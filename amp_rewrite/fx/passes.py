@@ -16,7 +16,7 @@ a second run of the chain on its own output changes nothing.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -25,13 +25,14 @@ from torch import nn
 from torch.fx import Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-from amp_rewrite.core import (Precision, PrecisionPlan, RuleSet, explain_chain,
-                              plan_precision)
-from amp_rewrite.core.report import node_records, precision_counts, unlisted_ops
+from amp_rewrite import arguments
+from amp_rewrite.core import LowDtype, PadPolicy, Precision, PrecisionPlan, RuleSet, plan_precision
+from amp_rewrite.core.report import Reasons, Report, node_records
 from amp_rewrite.fx import opkeys
 from amp_rewrite.fx.apply import ApplyResult, apply_plan, check_applied, retype_values
 from amp_rewrite.fx.floor import autocast_pins
 from amp_rewrite.fx.view import FxView, alias_set, build_view, resolve
+from amp_rewrite.runtime import listed
 
 log = logging.getLogger(__name__)
 
@@ -190,23 +191,38 @@ def _make_functional(node: Node) -> int:
 
 
 @dataclass(frozen=True)
-class MixedPrecisionOptions:
-    """What the pass needs besides the graph; legality stays in the view, policy here."""
+class FxOptions:
+    """The options of ``rewrite`` / ``rewrite_graph``, checked once (``FxOptions.checked``)."""
 
-    rules: RuleSet
-    low: torch.dtype
-    max_finite: float
-    keep_fp32: Sequence[str] = ()
+    low: torch.dtype = torch.float16
+    rules: tuple[str, ...] = ()
+    keep_fp32: tuple[str, ...] = ()
     keep_io_types: bool = True
-    device: str = "cuda"  # device type the model runs on: kernel facts in the view
+    device: str | None = None  # device type the model runs on; None: the graph's
     autocast_floor: bool = True  # never lower precision than torch.autocast (fx/floor.py)
+    pad: bool | PadPolicy | None = None  # None: on for device 'cuda'
+    fuse: bool = True
+    emulate_gemms: bool | None = None
+
+    @classmethod
+    def checked(cls, *, dtype: object, rules: Iterable[str], keep_fp32: object,
+                keep_io_types: object, device: object, autocast_floor: object,
+                pad: bool | PadPolicy | None, fuse: bool,
+                emulate_gemms: bool | None) -> FxOptions:
+        """Wrong types fail here, in one line, not deep inside the passes (``arguments``)."""
+        return cls(arguments.low_dtype(dtype), tuple(map(str, listed(rules))),
+                   tuple(arguments.patterns(keep_fp32, name="keep_fp32")),
+                   arguments.flag(keep_io_types, name="keep_io_types"),
+                   arguments.device_type(device),
+                   arguments.flag(autocast_floor, name="autocast_floor"), pad, fuse,
+                   emulate_gemms)
 
 
 class MixedPrecisionPass(PassBase):
     """View → plan (core) → apply → refreshed ``meta['val']``; see DESIGN §1."""
 
-    def __init__(self, options: MixedPrecisionOptions) -> None:
-        self.options = options
+    def __init__(self, options: FxOptions, rules: RuleSet) -> None:
+        self.options, self.rules = options, rules
         self.view: FxView | None = None
         self.plan: PrecisionPlan | None = None
         self.applied: ApplyResult | None = None
@@ -236,52 +252,34 @@ class MixedPrecisionPass(PassBase):
                    kept: dict[Node, str]) -> tuple[FxView, PrecisionPlan]:
         """One view and its plan; the core reads promoting ops' inputs for free (view)."""
         opts = self.options
-        view = build_view(gm, opts.low, max_finite=opts.max_finite,
+        view = build_view(gm, opts.low, max_finite=LowDtype.parse(opts.low).max_finite,
                           keep_io_types=opts.keep_io_types,
                           keep_fp32_modules=list(opts.keep_fp32), kept_conversions=kept,
                           device=opts.device)
-        pins = autocast_pins(view.graph, opts.rules) if opts.autocast_floor else None
-        return view, plan_precision(view.graph, opts.rules, keep_fp32=opts.keep_fp32,
+        pins = autocast_pins(view.graph, self.rules) if opts.autocast_floor else None
+        return view, plan_precision(view.graph, self.rules, keep_fp32=opts.keep_fp32,
                                     pins=pins)
 
     def ensures(self, graph_module: torch.fx.GraphModule) -> None:
         if self.view is not None and self.plan is not None:
             check_applied(self.view, self.plan)
 
-    def report(self) -> dict:
-        """Per-node decisions and totals: the ONNX ``--report`` schema plus fx counters."""
+    def report(self) -> Report:
+        """Per-node decisions and totals (``core.report``), with every node's reasons."""
         records = node_records(self.plan, self.view.graph)
         applied = self.applied
+        report = Report(str(self.options.low).removeprefix("torch."), records,
+                        applied.casts_inserted, self.plan.cast_units,
+                        applied.conversions_retyped, applied.modified,
+                        why=dict(Reasons(self.plan, self.view.graph)))
         notes = []
         if not records:
             notes.append("the model has no floating-point tensors: returned unchanged")
-        unlisted = unlisted_ops(records)
-        if unlisted:
-            notes.append(f"ops in no rule list, kept fp32: {', '.join(unlisted)}")
-        return {
-            "dtype": str(self.options.low).removeprefix("torch."),
-            "nodes": records,
-            "casts_inserted": applied.casts_inserted,
-            "cast_bytes_planned": self.plan.cast_units,
-            "casts_planned": len(self.plan.casts),
-            "upcasts_by_promotion": applied.upcasts_by_promotion,
-            "precision_counts": precision_counts(records),
-            "nodes_retyped": applied.conversions_retyped,
-            "unlisted_ops": unlisted,
-            "notes": notes,
-            "modified": applied.modified,
-        }
-
-    def explanations(self) -> dict[str, list[str]]:
-        """Node name → the reasons behind the precision of each of its port groups.
-
-        Plain strings, so the rewritten module stays cheap to deepcopy and pickle.
-        """
-        out: dict[str, list[str]] = {}
-        for info in self.view.graph.groups():
-            out.setdefault(info.name, []).extend(
-                explain_chain(self.plan, self.view.graph, info.key))
-        return out
+        if report.unlisted_ops:
+            notes.append(f"ops in no rule list, kept fp32: {', '.join(report.unlisted_ops)}")
+        report.extra.update(casts_planned=len(self.plan.casts),
+                            upcasts_by_promotion=applied.upcasts_by_promotion, notes=notes)
+        return report
 
 
 def _conversions_with_high_readers(view: FxView, plan: PrecisionPlan) -> dict[Node, str]:

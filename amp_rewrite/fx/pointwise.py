@@ -50,13 +50,9 @@ _CASTS = (aten._to_copy.default, aten.to.dtype)
 # own on CPU at all: eager it runs as 5-6 kernels forward and more backward.
 _COMPOSITES = (aten.rms_norm.default, aten.layer_norm.default)
 
-# On CUDA a region call costs host time that ATen's own launches of the same ops do not: the
-# aot_autograd wrapper and Inductor's Python launchers of its Triton kernels, forward and
-# backward. Measured on an H200 (``python -m amp_rewrite.bench gpu train`` and ``gpu profile``,
-# 2026-11-26), fusing every region made eager training steps slower by 60-80 µs per region
-# (BERT-base 32x128: 30.7 -> 40.4 ms; GPT-2 small 8x512: 24.7 -> 31.8 ms), the steps being
-# host-bound (BERT: 12.4 ms of kernels in a 22 ms autocast step). A region pays only where
-# the memory traffic it saves takes longer than that: at ~3 TB/s, 70 µs moves ~200 MB.
+# On CUDA a region call costs host time ATen's own launches do not (the aot_autograd wrapper,
+# Inductor's Python launchers): a region pays only where the traffic it saves takes longer
+# than that; at ~3 TB/s, 70 µs moves ~200 MB (measured: decision record 0023).
 CUDA_REGION_HOST_SECONDS = 70e-6
 CUDA_MEMORY_BYTES_PER_SECOND = 3.0e12  # copy rate measured on an H100 here (H200: 4.3e12)
 CUDA_MIN_SAVED_BYTES = int(CUDA_REGION_HOST_SECONDS * CUDA_MEMORY_BYTES_PER_SECOND)
@@ -98,11 +94,8 @@ def propose_regions(gm: torch.fx.GraphModule) -> list[list[Node]]:
     """The partitioner's regions (``CapabilityBasedPartitioner``, horizontal merging on),
     proposed window by window of ``WINDOW`` consecutive nodes.
 
-    Why windows: with horizontal merging the partitioner tries, at every node, to merge every
-    partition proposed so far, each try a walk over the downstream nodes, so its cost grows
-    with the cube of the graph: 58 s of a 62 s rewrite of a 48-layer GPT-2 (3,282 nodes),
-    against 0.4 s for a 2-layer one. Without horizontal merging the kernel count per step rose
-    from 0.46-0.50x autocast's to 0.57-0.76x (weight casts and sibling casts stay apart).
+    Why windows: with horizontal merging (which keeps weight and sibling casts together) the
+    partitioner's cost grows with the cube of the graph (decision record 0022).
     Windows are contiguous in topological order, so a path between two nodes of a window
     never leaves it and a merge that is acyclic inside the window is acyclic in the graph;
     a window ends before a node that cannot fuse, so a chain is not cut in two (a region

@@ -15,6 +15,7 @@ import onnx
 import onnx_ir as ir
 
 from amp_rewrite.core import LowDtype, PadPolicy
+from amp_rewrite.core.report import Report, explain
 from amp_rewrite.errors import ModelError, OutputCheckError, first_line
 from amp_rewrite.onnx import save, versions
 from amp_rewrite.onnx.load import LoadedModel, LoadInfo, Source, load_model, parse_bytes, release
@@ -31,19 +32,24 @@ class RewriteResult:
     info: LoadInfo  # what loading learned: source file, weight files, ...
     seconds: float = 0.0
     _proto: onnx.ModelProto | None = None
-    _report: dict | None = None
+    _report: Report | None = None
     opset_conversion: str | None = None  # why and how the opset was converted for bf16
 
-    @property
+    @functools.cached_property
     def report(self) -> dict:
         """The ``--report`` JSON (built on first use: ``rewrite_onnx`` never needs it)."""
-        if self._report is None:
-            self._report = {**self.pass_.report(), "seconds": round(self.seconds, 3),
-                            "opset_conversion": self.opset_conversion}
-        return self._report
+        return self._built().to_json()
 
     def explain(self, node_name: str) -> list[str]:
-        return self.pass_.explain(node_name)
+        """``core.report.explain`` on this rewrite (``UnknownNodeError`` for unknown names)."""
+        return explain(self._built(), node_name)
+
+    def _built(self) -> Report:
+        if self._report is None:
+            self._report = self.pass_.report()
+            self._report.extra.update(seconds=round(self.seconds, 3),
+                                      opset_conversion=self.opset_conversion)
+        return self._report
 
     def proto(self) -> onnx.ModelProto:
         """The rewritten model as a ModelProto (serialised once)."""
@@ -105,8 +111,11 @@ def rewrite_onnx_model(source: Source, *,
         if opset is not None:
             loaded = _converted(loaded, opset)
         pinned = _calibrate(loaded, low, calibration_data, calibration_threshold)
-        options = _options(low, keep_io_types, rules, keep_fp32, pinned, savings_weight,
-                           clamp_constants, pad, fuse, target, low_io)
+        options = OnnxOptions(
+            low, keep_io_types, tuple(map(str, listed(rules))), tuple(listed(keep_fp32)),
+            pinned, savings_weight, clamp_constants, pad=bool(pad),
+            pad_policy=pad if isinstance(pad, PadPolicy) else None, fuse=fuse, target=target,
+            low_io=tuple(_patterns(low_io)))
         rules_ = onnx_rules(options.rules)
         loaded, conversion = _low_dtype_opset(loaded, low, rules_, opset, keep_opset)
         model = loaded.model
@@ -121,16 +130,6 @@ def rewrite_onnx_model(source: Source, *,
             _check_output(result, source)
     result.seconds = time.perf_counter() - start
     return result
-
-
-def _options(low: LowDtype, keep_io_types: bool, rules, keep_fp32, pinned, savings_weight,
-             clamp_constants: bool, pad: bool | PadPolicy, fuse: bool, target: str,
-             low_io: Iterable[str] = ()) -> OnnxOptions:
-    return OnnxOptions(low, keep_io_types, tuple(map(str, listed(rules))),
-                       tuple(listed(keep_fp32)), pinned, savings_weight,
-                       clamp_constants=clamp_constants, pad=bool(pad),
-                       pad_policy=pad if isinstance(pad, PadPolicy) else None,
-                       fuse=fuse, target=target, low_io=tuple(_patterns(low_io)))
 
 
 def _patterns(patterns: Iterable[str] | str) -> list[str]:

@@ -17,7 +17,7 @@ import onnx_ir as ir
 
 from amp_rewrite.core import (LowDtype, PadPolicy, PrecisionPlan, RuleSet, load_rules,
                               plan_precision)
-from amp_rewrite.core.report import node_records, precision_counts, unlisted_ops
+from amp_rewrite.core.report import Reasons, Report, node_records
 from amp_rewrite.onnx.load import LoadInfo, model_graphs
 from amp_rewrite.onnx.apply import ApplyStats, apply_plan
 from amp_rewrite.core.rules import close_match
@@ -125,34 +125,25 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
                 pins[key] = f"calibration saw |{name}| up to {hot[name]:.4g}: output kept fp32"
         return pins
 
-    def report(self) -> dict:
+    def report(self) -> Report:
         """Per-node decisions and totals (the ``--report`` JSON schema)."""
-        records = node_records(self.plan, self.view.graph)
         s = self.stats
-        return {
-            "dtype": self.options.dtype.value,
-            "nodes": records,
-            "casts_inserted": s.casts_inserted,
-            "identity_casts_removed": s.identity_casts_removed,
-            "cast_bytes_planned": self.plan.cast_units,
-            "precision_counts": precision_counts(records),
-            "nodes_retyped": s.nodes_retyped,
-            "constants_converted": s.constants_converted,
-            "constant_bytes_converted": s.constant_bytes_converted,
-            "constant_copies": s.constant_copies,
-            "values_clamped": s.values_clamped,
-            "clamped_constants": s.clamped_constants,
-            "constants_kept_fp32": sorted(self.view.wide_values.values()),
-            "unlisted_ops": unlisted_ops(records),
-            "pinned_by_calibration": sorted(self.options.pinned_values),
-            "inserted_casts": s.inserted_casts,
-            "opset_advice": self.opset_advice(),
-            "padding": pad_report(self.pad_stats) if self.options.pad else {"enabled": False},
-            "low_io": self.low_io,
-            "fused": dict(self.fusion.fused) if self.fusion else {},
-            "fusion_rules": dict(self.fusion.rule_hits) if self.fusion else {},
-            "modified": self.modified,  # precision/padding; fusion is reported in "fused"
-        }
+        return Report(
+            self.options.dtype.value, node_records(self.plan, self.view.graph),
+            s.casts_inserted, self.plan.cast_units, s.nodes_retyped, self.modified,
+            padding=pad_report(self.pad_stats) if self.options.pad else {"enabled": False},
+            fused=dict(self.fusion.fused) if self.fusion else {},
+            extra={"identity_casts_removed": s.identity_casts_removed,
+                   "constants_converted": s.constants_converted,
+                   "constant_bytes_converted": s.constant_bytes_converted,
+                   "constant_copies": s.constant_copies, "values_clamped": s.values_clamped,
+                   "clamped_constants": s.clamped_constants,
+                   "constants_kept_fp32": sorted(self.view.wide_values.values()),
+                   "pinned_by_calibration": sorted(self.options.pinned_values),
+                   "inserted_casts": s.inserted_casts, "opset_advice": self.opset_advice(),
+                   "low_io": self.low_io,
+                   "fusion_rules": dict(self.fusion.rule_hits) if self.fusion else {}},
+            why=Reasons(self.plan, self.view.graph, self._fused_by))
 
     def opset_advice(self) -> str | None:
         """What to do when most compute stays fp32 because the model's opset does not admit
@@ -188,13 +179,10 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
     def _opset(self, domain: str) -> int:
         return dict(self.view.opsets).get(domain, 1)
 
-    def explain(self, node_name: str) -> list[str]:
-        from amp_rewrite.core import explain_chain
-
-        keys = [g.key for g in self.view.graph.groups() if g.name == node_name]
-        lines = [line for k in keys for line in explain_chain(self.plan, self.view.graph, k)]
-        fused_by = {self.view.groups[k][0].metadata_props.get(FUSED_TAG) for k in keys} - {None}
-        return [f"{node_name}: created by fusion rule {r}" for r in sorted(fused_by)] + lines
+    def _fused_by(self, name: str, keys: list) -> list[str]:
+        rules = {self.view.groups[k][0].metadata_props.get(FUSED_TAG)
+                 for k in keys if k in self.view.groups} - {None}
+        return [f"{name}: created by fusion rule {r}" for r in sorted(rules)]
 
 
 def _warn_unmatched_patterns(patterns: tuple[str, ...], view: OnnxView) -> None:

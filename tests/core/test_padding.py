@@ -372,8 +372,8 @@ def random_programs(draw):
 @settings(max_examples=200, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(random_programs(), st.sampled_from([PadPolicy(min_weight_elements=0), COMPUTE_BOUND,
-                                           PadPolicy(min_weight_elements=0, memory_tbps=math.inf,
-                                                     max_flop_ratio=1.5)]))
+                                           PadPolicy(min_weight_elements=0,
+                                                     pad_activation_gemms=False)]))
 def test_random_padded_program_computes_the_unpadded_one(program, policy):
     b, outputs = program
     plan = plan_padding(b.g, policy)
@@ -451,6 +451,18 @@ def test_vit_b_attention_scores_are_memory_bound_and_not_padded():
     assert "cost model" in dict(padding.skipped)["N"]
     assert padding.est_seconds < padding.est_seconds * 2  # sanity: finite estimate
     assert plan_padding(g, COMPUTE_BOUND).ops["mm"].dims  # pays only if memory were free
+
+
+def test_a_dim_padded_by_more_than_the_misalignment_costs_is_not_padded():
+    # K 9→16 multiplies the FLOPs by 16/9, more than the 1.6x a misaligned GEMM loses: the
+    # cost model alone refuses what a FLOP-ratio cap used to; K 37→40 pays
+    tiny_k = plan_padding(_gemm_graph((64, 1024, 9), (9, 4096), (64, 1024, 4096)),
+                          COMPUTE_BOUND).ops["mm"]
+    assert "K" not in {d.role for d in tiny_k.dims}
+    assert "cost model" in dict(tiny_k.skipped)["K"]
+    near_k = plan_padding(_gemm_graph((64, 1024, 37), (37, 4096), (64, 1024, 4096)),
+                          COMPUTE_BOUND).ops["mm"]
+    assert [(d.role, d.padded) for d in near_k.dims] == [("K", 40)]
 
 
 def test_gpt2_vocab_gemm_pays_when_the_output_slice_is_a_view_not_when_it_copies():

@@ -179,10 +179,11 @@ class NewGelu(nn.Module):
 @pytest.mark.parametrize("dtype", LOW)
 def test_spelled_out_tanh_gelu_becomes_the_fused_kernel_and_runs_low(dtype):
     module, args = NewGelu().eval(), (torch.randn(4, 8) * 30,)  # |x| > 40: x**3 overflows fp16
-    gm = amp_rewrite.rewrite(module, args, dtype=dtype, keep_io_types=False, fuse=False)
-    targets = [n.target for n in gm.graph.nodes]
-    assert torch.ops.aten.pow.Tensor_Scalar not in targets
-    gelu = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.gelu.default)
+    gm = amp_rewrite.rewrite(module, args, dtype=dtype, keep_io_types=False,
+                             emulate_gemms=False)
+    nodes = _nodes_with_regions(gm)  # pointwise fusion puts the gelu into a region
+    assert torch.ops.aten.pow.Tensor_Scalar not in [n.target for n in nodes]
+    gelu = next(n for n in nodes if n.target is torch.ops.aten.gelu.default)
     assert gelu.kwargs["approximate"] == "tanh" and out_dtype(gelu) == dtype
     with torch.no_grad():
         out, ref = gm(*args), module(*args)
@@ -190,6 +191,20 @@ def test_spelled_out_tanh_gelu_becomes_the_fused_kernel_and_runs_low(dtype):
     assert relative_error(out, ref) < (5e-3 if dtype == torch.float16 else 3e-2)
     gm(*args).float().sum().backward()
     assert gm.get_parameter("up.weight").grad.dtype == torch.float32
+
+
+def test_fuse_false_leaves_the_spelled_out_tanh_gelu():
+    module, args = NewGelu().eval(), (torch.randn(4, 8),)
+    gm = amp_rewrite.rewrite(module, args, fuse=False)
+    targets = [n.target for n in gm.graph.nodes]
+    assert torch.ops.aten.gelu.default not in targets and torch.ops.aten.tanh.default in targets
+    assert gm.amp_report["fused"]["patterns"] == {}
+
+
+def _nodes_with_regions(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    regions = [m.region for m in gm.children() if isinstance(getattr(m, "region", None),
+                                                             torch.fx.GraphModule)]
+    return [*gm.graph.nodes, *(n for r in regions for n in r.graph.nodes)]
 
 
 def test_tanh_gelu_fusion_is_exact_in_fp32():

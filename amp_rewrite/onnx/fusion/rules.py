@@ -196,9 +196,6 @@ def fast_gelu_bias_rules() -> pattern.RewriteRuleSet:
     return pattern.RewriteRuleSet(FastGeluBiasFusion.rule("fast_gelu_bias").commute())
 
 
-def rule_count(rule_set: pattern.RewriteRuleSet) -> int:
-    return len(rule_set.rules)
-
 
 class SdpaToAttention(pattern.RewriteRuleClassBase):
     """onnxscript's intermediate SDPA call → the standard ``Attention`` op (opset 23).
