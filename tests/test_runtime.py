@@ -9,8 +9,19 @@ import pytest
 from amp_rewrite import runtime
 from amp_rewrite.runtime import Background
 
-needs_fork = pytest.mark.skipif(not runtime.fork_allowed(),
-                                reason="forking is not allowed on this host (Linux, 2+ CPUs)")
+
+
+@pytest.fixture
+def _fork_allowed(monkeypatch):
+    # fork_allowed() also requires a single thread, which tests that ran earlier in this
+    # process (torch's pools) may have broken; these children only call plain functions,
+    # so the fork path is exercised as if the process had one thread.
+    monkeypatch.setattr(runtime.threading, "active_count", lambda: 1)
+    if not runtime.fork_allowed():
+        pytest.skip("forking is not allowed here (Linux, 2+ CPUs)")
+
+
+needs_fork = pytest.mark.usefixtures("_fork_allowed")
 
 
 def _child_pid() -> int:

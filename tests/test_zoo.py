@@ -168,7 +168,7 @@ def test_onnx_inputs_follow_the_graph_inputs(models: dict) -> None:
 def test_cached_onnx_exports_once_per_key(tmp_path, monkeypatch) -> None:
     calls = []
 
-    def fake_export(name, path, *, seed=0, opset=None):
+    def fake_export(name, path, *, seed=0, opset=None, **variant):
         calls.append((name, seed, opset))
         path.write_bytes(b"onnx")
         return path

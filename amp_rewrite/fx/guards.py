@@ -14,7 +14,10 @@
   (``avg_pool3d``) would make the rewritten graph fail when called. Torch keeps no queryable
   table of the dtypes each kernel's ``AT_DISPATCH`` covers, so the op is run once on zeros of
   the node's shapes in the low dtype (RNG state preserved, result cached per op and dtype); a
-  "not implemented for 'BFloat16'" answer marks the node, and the view keeps it fp32. float64 tensors are left alone, as
+  "not implemented for 'BFloat16'" answer marks the node, and the view keeps it fp32. A
+  convolution whose low CPU kernel computes wrong results for its shapes (probed on seeded
+  random operands against float32 on the same rounded operands) is kept fp32 the same way.
+  float64 tensors are left alone, as
   autocast leaves them: a float64 model comes back unchanged, with a note that says so.
 """
 from __future__ import annotations
@@ -184,16 +187,76 @@ def mark_missing_low_kernels(gm: torch.fx.GraphModule, low: torch.dtype, rules: 
         target = _probe_target(node, gm)
         if target is None or is_cast(node):
             continue
-        if rules.class_of(opkeys.op_key(node, gm)) not in _PROBED_CLASSES:
-            continue
+        key = opkeys.op_key(node, gm)
         if not any(_dtype(arg) == torch.float32 or _dtype(arg) == low
                    for _, arg in tensor_args(node)):
             continue
-        if _lacks_low_kernel(node, target, low):
-            node.meta[NO_LOW_KERNEL] = (f"{opkeys.op_key(node, gm)} has no {low} kernel on "
-                                        "CPU (probed), so it runs in float32")
+        op_class = rules.class_of(key)
+        if op_class in _PROBED_CLASSES and _lacks_low_kernel(node, target, low):
+            node.meta[NO_LOW_KERNEL] = (f"{key} has no {low} kernel on CPU (probed), so it "
+                                        "runs in float32")
             marked.append(node.name)
+        elif op_class is OpClass.ALLOW and key.startswith("conv"):
+            error = _low_conv_error(node, target, low)
+            if error is not None and error > _WRONG_KERNEL_ULPS * torch.finfo(low).eps:
+                node.meta[NO_LOW_KERNEL] = (
+                    f"{key}: this CPU's {low} kernel computes wrong results for this shape "
+                    f"(probed: relative error {error:.2g} against float32 on the same "
+                    "rounded operands), so it runs in float32")
+                marked.append(node.name)
     return marked
+
+
+# A low kernel that is right differs from float32 on the same rounded operands by the
+# rounding of its output and a different summation order: a few units of the low dtype's
+# epsilon at most. Some oneDNN bf16 kernels (grouped conv1d with 4 groups, torch 2.13, AMX)
+# return results off by more than 100%; 8 eps separates the two with a wide margin.
+_WRONG_KERNEL_ULPS = 8
+_CONV_ERRORS: dict[tuple, float | None] = {}
+
+
+def _low_conv_error(node: Node, target: object, low: torch.dtype) -> float | None:
+    """max|conv_low - conv_fp32| / max|conv_fp32| on seeded random operands of the node's
+    shapes, both computed from the same low-rounded operands (None if not probed)."""
+    args = _probe_arguments(node, low)
+    if args is None:
+        return None
+    (args, kwargs) = args
+    key = (target, low, _shape_key((args, kwargs)))
+    if key in _CONV_ERRORS:
+        return _CONV_ERRORS[key]
+    from torch.fx.node import map_aggregate
+
+    generator = torch.Generator().manual_seed(0)
+
+    def draw(arg: object) -> object:
+        if isinstance(arg, torch.Tensor) and arg.dtype == low:
+            return torch.randn(arg.shape, generator=generator).to(low)
+        return arg
+
+    low_args, low_kwargs = map_aggregate(args, draw), map_aggregate(kwargs, draw)
+
+    def widened(arg: object) -> object:
+        return arg.float() if isinstance(arg, torch.Tensor) and arg.dtype == low else arg
+
+    error = None
+    with torch.no_grad():
+        try:
+            got = target(*low_args, **low_kwargs).float()
+            want = target(*map_aggregate(low_args, widened), **map_aggregate(low_kwargs, widened))
+        except Exception:  # noqa: BLE001 - a kernel that cannot run here says nothing
+            got = want = None
+    if isinstance(got, torch.Tensor) and want.numel() and want.abs().max() > 0:
+        error = float((got - want).abs().max() / want.abs().max())
+    _CONV_ERRORS[key] = error
+    return error
+
+
+def _shape_key(tree: object) -> tuple:
+    from torch.utils._pytree import tree_leaves
+
+    return tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a
+                 for a in tree_leaves(tree))
 
 
 def _is_torch_op(target: object) -> bool:

@@ -415,6 +415,9 @@ def _canonical_outputs(call: Node, region: torch.fx.GraphModule,
     for new, old in enumerate(order):
         if old in getitems:
             getitems[old].args = (call, new)
+    val = call.meta.get("val")
+    if isinstance(val, (tuple, list)) and len(val) == len(values):  # the fake outputs follow
+        call.meta["val"] = type(val)(val[i] for i in order)
     region.recompile()
 
 

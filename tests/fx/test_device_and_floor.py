@@ -217,3 +217,58 @@ def test_tanh_gelu_fusion_is_exact_in_fp32():
     with torch.no_grad():
         torch.testing.assert_close(gm(*args), module(*args), rtol=1e-5, atol=1e-5)
     assert not FuseTanhGelu()(gm).modified
+
+
+class GroupedConv1d(nn.Module):
+    """wav2vec 2.0's positional convolution shape: 32 channels in 4 groups, kernel 8. On CPUs
+    with AMX, torch 2.13's bf16 kernel for it is off by more than 100%."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv1d(32, 32, 8, padding=4, groups=4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x)
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=["fp16", "bf16"])
+def test_grouped_conv1d_is_within_tolerance_of_fp32_on_this_cpu(dtype):
+    """Whatever this CPU's low conv kernels do, the rewrite's output is the FP32 module's
+    within the dtype's tolerance (on a CPU whose kernel is wrong, the probe keeps it fp32)."""
+    model = GroupedConv1d().eval()
+    x = torch.randn(2, 32, 50, generator=torch.Generator().manual_seed(1))
+    gm = amp_rewrite.rewrite(model, (x,), dtype=dtype, fuse=False, emulate_gemms=False)
+    with torch.no_grad():
+        assert relative_error(gm(x), model(x)) < (5e-3 if dtype == torch.float16 else 3e-2)
+
+
+def test_a_wrong_low_conv_kernel_is_found_by_the_probe_and_kept_fp32(monkeypatch):
+    """The probe compares the low kernel with float32 on the same rounded operands: a
+    kernel whose low results are off (simulated here) keeps the node fp32, with the reason."""
+    from amp_rewrite.fx import guards
+
+    conv1d = torch.ops.aten.conv1d.default
+
+    class Broken:
+        def __call__(self, x, *args, **kwargs):
+            out = conv1d(x, *args, **kwargs)
+            return out * 1.5 if x.dtype == torch.bfloat16 else out
+
+    model = GroupedConv1d().eval()
+    model.conv = nn.Conv1d(32, 32, 8, padding=4)  # one group: right on every CPU we know
+    x = torch.randn(2, 32, 50)
+    gm = amp_rewrite.rewrite(model, (x,), dtype="bf16", fuse=False, emulate_gemms=False)
+    node = next(n for n in gm.graph.nodes if n.target is conv1d)
+    guards._CONV_ERRORS.clear()
+    right = guards._low_conv_error(node, conv1d, torch.bfloat16)
+    guards._CONV_ERRORS.clear()
+    wrong = guards._low_conv_error(node, Broken(), torch.bfloat16)
+    guards._CONV_ERRORS.clear()
+    threshold = guards._WRONG_KERNEL_ULPS * torch.finfo(torch.bfloat16).eps
+    assert right < threshold < 0.3 < wrong
+
+    monkeypatch.setattr(guards, "_low_conv_error", lambda *a: 0.5)
+    kept = amp_rewrite.rewrite(model, (x,), dtype="bf16", fuse=False, emulate_gemms=False)
+    record = next(r for r in kept.amp_report["nodes"] if r["op_type"].startswith("conv1d"))
+    assert record["precision"] == "high" and "computes wrong results" in record["reason"]

@@ -254,8 +254,10 @@ def test_tiny_conv_bias_that_underflows_fp16_runs_low_since_it_is_only_added(rng
 
 # --- bf16 on opsets that do not admit it ------------------------------------------------
 
-def test_bf16_on_opset13_says_rerun_with_opset22_and_opset_option_converts(rng, tmp_path,
-                                                                          capsys):
+def test_bf16_on_opset13_converts_to_opset22_by_default(rng, tmp_path, capsys):
+    """Asked for bf16, a Conv+BatchNorm model at opset 13 (no bf16 kernels there) is converted
+    to opset 22 and the summary says so; ``--keep-opset`` refuses; an explicit old opset
+    leaves the model fp32 with the advice."""
     from amp_rewrite.cli import main
     from amp_rewrite.onnx import rewrite_onnx_model
 
@@ -265,16 +267,20 @@ def test_bf16_on_opset13_says_rerun_with_opset22_and_opset_option_converts(rng, 
         init.CopyFrom(onnx.numpy_helper.from_array(a / np.abs(a).max(), init.name))
     feeds = {"x": rng.standard_normal((1, 3, 16, 16)).astype(np.float32)}
     (expected,) = ort_run(fp32, feeds)
-    unchanged = rewrite_onnx_model(fp32, dtype="bf16")
-    assert unchanged.report["modified"] is False  # Conv and BatchNorm admit no bf16 at 13
-    assert "re-run with --opset 22" in unchanged.report["opset_advice"]
+    pinned = rewrite_onnx_model(fp32, dtype="bf16", opset=13)
+    assert pinned.report["modified"] is False  # Conv and BatchNorm admit no bf16 at 13
+    assert "re-run with --opset 22" in pinned.report["opset_advice"]
     src = tmp_path / "m.onnx"
     onnx.save(fp32, src)
-    assert main([str(src), "--dtype", "bf16"]) == 0
-    assert "re-run with --opset 22" in capsys.readouterr().out  # the summary says so
-    converted = rewrite_onnx_model(fp32, dtype="bf16", opset=22)
+    assert main([str(src), "--dtype", "bf16", "-o", str(tmp_path / "out.onnx")]) == 0
+    assert "converted opset 13 -> 22" in capsys.readouterr().out  # the summary says so
+    assert main([str(src), "--dtype", "bf16", "--keep-opset",
+                 "-o", str(tmp_path / "kept.onnx")]) == 3
+    assert not (tmp_path / "kept.onnx").exists()
+    converted = rewrite_onnx_model(fp32, dtype="bf16")
     mixed = converted.proto()
     assert converted.report["opset_advice"] is None
+    assert "13 -> 22" in converted.report["opset_conversion"]
     assert mixed.opset_import[0].version == 22 and mixed.ir_version == 10
     assert {n.op_type for n in mixed.graph.node} >= {"Conv", "BatchNormalization", "Cast"}
     assert all(i.data_type == onnx.TensorProto.BFLOAT16 for i in mixed.graph.initializer)
