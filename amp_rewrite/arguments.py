@@ -1,9 +1,6 @@
-"""Argument checks shared by the torch entry points (``rewrite`` and ``AmpOptimizer``).
-
-One place decides the spellings every public function accepts, so ``rewrite(dtype="fp16")``
-and ``AmpOptimizer(dtype="fp16")`` mean the same thing and a wrong type fails at the call with
-a one-line ``ArgumentError`` (a ``UsageError``, exit 2; also a ``ValueError`` for code that
-caught the ``ValueError`` these checks raised before).
+"""Argument checks shared by the torch entry points (``rewrite`` and ``AmpOptimizer``): one
+place decides the accepted spellings, and a wrong value fails at the call with a one-line
+``ArgumentError`` (a ``UsageError`` and a ``ValueError``).
 """
 from __future__ import annotations
 

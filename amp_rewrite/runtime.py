@@ -19,12 +19,8 @@ logger = logging.getLogger(__name__)
 
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
-    """Pause Python's cyclic collector for the duration of a pass.
-
-    A model's IR is millions of objects with nothing cyclic to free; the collector rescanning
-    them while the pass allocates cost more than the pass itself (measured on a 50k-node ONNX
-    model and on BERT-base's fx graph).
-    """
+    """Pause Python's cyclic collector for the duration of a pass: a model's IR is millions
+    of objects with nothing cyclic to free (decision 0003)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -45,15 +41,10 @@ class Background:
     ``result()`` waits for it. Where forking is unsafe or would not pay, ``fn`` runs inside
     ``result()`` instead, so callers have one code path.
 
-    Why a fork: the work this is for (ONNX shape inference on a large model) is C++ that
-    holds the GIL, so a thread runs it no faster, and a fresh interpreter would pay its
-    start-up and a copy of the model. A fork starts in milliseconds and shares the model
-    copy-on-write. It is used only on Linux, with two or more usable CPUs, and when no other
-    Python thread runs (a thread holding a lock at the fork would leave the lock held in the
-    child; the idle worker pools of BLAS libraries are native threads that the child never
-    enters). ``AMP_REWRITE_FORK=0`` turns it off. The child sends back a pickle and leaves
-    with ``os._exit``, so no ``atexit`` handler or stdio buffer of the parent runs twice; a
-    child whose result is never asked for is killed in ``cancel``.
+    A fork, because the work (ONNX shape inference) is C++ holding the GIL and a fork shares
+    the model copy-on-write. Only on Linux, with two or more usable CPUs, and when no other
+    Python thread runs (it could hold a lock); ``AMP_REWRITE_FORK=0`` turns it off. The child
+    sends back a pickle and leaves with ``os._exit``; one never asked is killed in ``cancel``.
     """
 
     def __init__(self, fn: Callable[..., Any], *args: Any) -> None:

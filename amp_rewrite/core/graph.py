@@ -1,17 +1,10 @@
 """The framework-neutral precision graph (DESIGN §1, "View").
 
-A bipartite graph of *groups* and *values*. A group is the unit of painting: one
-(node, type-variable set) pair of an op, e.g. BatchNormalization's ``T`` ports, or its ``T2``
-ports. Values are tensors; a group produces some values and reads others. Graph inputs,
-initializers and outputs are groups too (sources and sinks), so every value has exactly one
-producer and casts are planned the same way everywhere.
-
-Storage is plain dicts rather than a ``networkx.DiGraph``: building a DiGraph cost ~15 µs per
-node, three times the whole pass budget of a 50k-node model, while the planner only needs
-producer/consumer lookups. ``to_networkx()`` gives the same graph as a DiGraph for analysis, and
-the min-cut itself runs on networkx flow networks built per region.
-
-Adapters build this view; the core never imports torch or onnx.
+A bipartite graph of *groups* (the unit of painting: one (node, type-variable set) pair) and
+*values* (tensors). Graph inputs, initializers and outputs are groups too (sources and sinks),
+so every value has exactly one producer. Storage is plain dicts, which the planner reads
+directly (decision 0002); ``to_networkx()`` gives a DiGraph for analysis. The core never
+imports torch or onnx.
 """
 from __future__ import annotations
 

@@ -1,21 +1,10 @@
 """s–t minimum cut of an integer flow network on a compiled max-flow (OR-Tools), exactly.
 
-The placement (``placement._min_cut``) needs one partition of the nodes, not just the cut's
-value, and a partition that does not depend on the max-flow algorithm: the *sink side* is the
-set of nodes that can still reach the sink in the residual graph. It is the same for every
-maximum flow (it is the smallest sink side among all minimum cuts), and it is what
-``networkx.minimum_cut`` returns, so both solvers give the same labels, ties included.
-
-Why OR-Tools' ``SimpleMaxFlow``: its capacities are int64 and it reports the sink side above
-directly (``get_sink_side_min_cut``). ``scipy.sparse.csgraph.maximum_flow`` takes int32
-capacities only, far below the cast weights (a cast byte weighs 2**20 traffic bytes;
-capacities reach 2**45 on a 50k-node chain), and silently wraps larger ones. PyMaxflow
-(Boykov-Kolmogorov) labels nodes that neither search tree reaches as source side, a different
-minimum cut than networkx's on ties. Measured with ``python -m amp_rewrite.bench mincut``.
-
-Arithmetic stays exact: infinite arcs get the sum of all finite capacities plus one (more than
-any cut without them, so never cut), and a network whose sums could leave int64 is solved by
-networkx on Python integers instead.
+The placement needs the *sink side* (the nodes that can still reach the sink in the residual
+graph): the same for every maximum flow, and what ``networkx.minimum_cut`` returns, so both
+solvers give the same labels, ties included. OR-Tools' ``SimpleMaxFlow`` has int64 capacities
+and reports that side directly (decision 0016). Infinite arcs get the sum of all finite
+capacities plus one; a network whose sums could leave int64 is solved by networkx instead.
 """
 from __future__ import annotations
 

@@ -1,59 +1,12 @@
 """Padding plan: GEMM K/N and conv channel dims to multiples of 8 (DESIGN §4), pure.
 
-Tensor Cores want the leading dimensions of a low-precision GEMM (K and N: 16 bytes in
-fp16/bf16) and the channel counts of a conv to be multiples of 8. This module decides, on a
-framework-neutral *pad graph* the adapters build after the precision plan, which dims of which
-low GEMM/conv are padded, and how far the padded layout travels between them.
-
-Vocabulary. A *value* has a shape (ints; a str is a symbolic dim; None unknown). An *op* is
-one of ``GEMM`` (``y[..., N] = a[..., K] · b[K, N]`` with the K and N axes of each operand
-given by the adapter), ``CONV`` (channels on given axes, ``groups``), ``POINTWISE``
-(elementwise with broadcasting; each input aligned to the output by an axis offset, with the
-value its padding is filled with) or ``OPAQUE`` (anything else: a barrier).
-
-Decisions, kept apart as in Inductor's ``pad_mm``:
-
-* ``can_pad`` (legality): the op runs low; the dim is known (static, or symbolic where the
-  adapter computes runtime pad amounts); the dim is not already a
-  multiple; convs are ungrouped (a grouped conv with misaligned per-group channels would need
-  zero channels interleaved between its groups: per group or not at all, and this plan
-  chooses not at all).
-* ``should_pad`` (profitability, ``PadPolicy``): skip tiny ops (weight elements below
-  ``min_weight_elements``); otherwise a documented **cost model** estimates the op's time
-  unpadded and with each subset of its legal dims padded, and pads the fastest subset
-  (nothing on a tie). The estimate is a roofline, ``max(FLOPs / rate, bytes / bandwidth)``:
-  aligned, the rate is the Tensor-Core peak; misaligned, the whole roofline time is
-  ``misaligned_slowdown`` longer (narrow loads and the slower cuBLAS/cuDNN kernels), and a
-  dim below ``multiple`` (a 3-channel stem) cannot fill a Tensor-Core row at all, so its
-  FLOPs run at the CUDA-core ``fallback_tflops``. Padded, the op runs aligned on its padded
-  FLOPs and bytes, plus the traffic of the runtime copies it needs: a ``Pad`` (read + write)
-  of each activation operand padded at runtime unless a padded region reaches it, and a
-  ``Slice`` of its padded output unless the output only flows (through finite-safe ops) into
-  GEMM/conv reads of that dim as K, or the adapter's slice is a view (torch). Weights cost no
-  copy (padded once at rewrite time, or fused with their cast). The sources of the default
-  parameters are in ``PadPolicy``. Choosing the best *subset* keeps a second run idempotent:
-  with the chosen dims aligned, padding any other dim costs what it cost in the first run's
-  comparison, which it lost.
-  Symbolic dims are estimated at their example size (``PadValue.hint``, torch) or at
-  ``symbolic_dim_size`` with the mean pad of (multiple − 1)/2 (ONNX). ``can_pad`` allows
-  them where the adapter computes runtime pad amounts (ONNX: Shape/Mod arithmetic,
-  ``plan_padding(runtime_pads=True)``); the fx adapter pads static sizes only.
-
-Regions. A padded GEMM N (or conv Cout) dim makes its output *produced padded*: the new
-columns are exactly 0 (zero weight columns, zero bias). The padded layout then propagates
-forward through ``POINTWISE`` ops whose ``finite_safe`` flag says they map finite values to
-finite values, 0 included (bias add, activation, BatchNorm in eval on the channel axis). Any
-finite value sitting in the padding is harmless to a GEMM that reads the dim as its padded K,
-since its K rows are zero. Propagation stops at anything else (reductions, normalisations,
-softmax over the dim, exp/log/div by a padded value, reshapes); a propagated op is kept only
-if its output reaches a padded K read through propagated ops, so the padded layout never
-travels where it only costs a slice later. Other inputs of a propagated op that vary along
-the dim are padded with their fill value (constants once; activations by a runtime pad).
-
-The plan is a contract for the adapter: ``produced[v]`` is the padded layout of every value a
-region op writes, ``reads[(op, v)]`` the padded layout in which a region op reads ``v``.
-Every other read is unpadded: the adapter inserts one slice per value read unpadded but
-produced padded, and one pad per (value, layout) read padded but produced unpadded.
+On a framework-neutral *pad graph* (``GEMM``, ``CONV``, ``POINTWISE``, ``OPAQUE`` ops) built by
+an adapter after the precision plan, decide which dims of which low GEMM/conv are padded
+(``can_pad`` legality apart from ``should_pad``'s roofline cost model, as in Inductor's
+``pad_mm``) and how far the padded layout travels through finite-safe pointwise ops. The plan
+is the adapter's contract: ``produced[v]`` is the padded layout of every value a region op
+writes, ``reads[(op, v)]`` the layout in which a region op reads ``v``; every other read is
+unpadded. Semantics in docs/design.md §8; why a cost model (decisions 0008, 0019).
 """
 from __future__ import annotations
 
@@ -128,26 +81,17 @@ class PadOp(NamedTuple):
 
 @dataclass(frozen=True)
 class PadPolicy:
-    """Knobs of ``should_pad``'s cost model (module docstring); defaults model an H100 SXM.
+    """Knobs of ``should_pad``'s cost model; defaults model an H100 SXM5 (decisions 0019, 0023).
 
-    * ``tensor_core_tflops`` = 989.4: dense FP16/BF16 Tensor-Core peak of the H100 SXM5
-      (NVIDIA H100 Tensor Core GPU Architecture whitepaper, table "NVIDIA H100 compared to
-      A100": 1979 TFLOPS with sparsity, half of it dense).
-    * ``fallback_tflops`` = 133.8: the same table's FP16/BF16 *non*-Tensor-Core peak, the rate
-      of an op with a dim below ``multiple`` (cuDNN's "Convolutional Layers User's Guide",
-      Quick-Start Checklist: channels divisible by 8 to run on Tensor Cores; pad the 3-channel
-      first layer).
-    * ``misaligned_slowdown`` = 1.6: time of a misaligned GEMM over the same GEMM padded
-      (measured on an H100; conservative against the H200's 4.9-5.9x: decision records 0019,
-      0023), applied to the whole roofline time.
-    * ``pad_small_conv_channels`` = False: convolutions with fewer than ``multiple`` input
-      channels (an image stem's 3) are not padded: cuDNN's own few-channel kernels ran faster
-      than the padded conv (0023).
-    * ``memory_tbps`` = 3.35: HBM3 bandwidth of the H100 SXM5 80 GB (same whitepaper).
-    * ``symbolic_dim_size`` = 512: size assumed for a symbolic dim without an example size
-      (profitability depends on the absolute size, unlike cast costs, whose nominal
-      ``onnx.load.SYMBOLIC_DIM_EXTENT`` only weighs values against each other).
-    * ``min_weight_elements`` = 256: ops below it are launch-bound, padding them buys nothing.
+    * ``tensor_core_tflops``: dense FP16/BF16 Tensor-Core peak.
+    * ``fallback_tflops``: the non-Tensor-Core peak, the rate of an op with a dim below
+      ``multiple``.
+    * ``misaligned_slowdown``: time of a misaligned GEMM over the same GEMM padded, applied to
+      the whole roofline time.
+    * ``pad_small_conv_channels``: pad convs with fewer than ``multiple`` input channels.
+    * ``memory_tbps``: memory bandwidth.
+    * ``symbolic_dim_size``: size assumed for a symbolic dim without an example size.
+    * ``min_weight_elements``: ops below it are launch-bound and never padded.
     * ``pad_activation_gemms``: let the cost model consider GEMMs whose operands are both
       activations (attention); False refuses them outright.
     """
@@ -364,8 +308,8 @@ def should_pad(graph: PadGraph, op: PadOp, candidates: Mapping[str, DimPad],
 
     ``slice_is_view``: the adapter's slice at a region end is a view (torch), not a copy.
     ``unpadded_n``: GEMMs/convs known not to pad their N/Cout, so an input they produce
-    needs a runtime Pad (``plan_padding`` iterates to the fixed point). Subsets are tried smallest first and a larger one must be strictly faster, so ties keep
-    fewer dims; a second run on the output pads nothing more (module docstring).
+    needs a runtime Pad. A larger subset must be strictly faster, so ties keep fewer dims
+    and a second run pads nothing more.
     """
     refused: dict[str, str] = {}
     if not candidates:
@@ -619,11 +563,8 @@ class _Planner:
         self.ops: dict[Hashable, OpPadding] = {}
 
     def seed(self) -> None:
-        """Plan every low GEMM/conv. A cost counts an input as delivered padded when its
-        producer pads N; planning starts optimistic and repeats with the producers that
-        did not pad N until that set stops growing (it only grows: at most one pass per
-        GEMM/conv; an op that pads N again later only leaves its readers' copies
-        over-estimated)."""
+        """Plan every low GEMM/conv, repeated until the set of producers that do not pad N
+        (whose readers need a runtime Pad) stops growing."""
         gemms = [op for op in self.graph.ops.values()
                  if op.kind in (PadKind.GEMM, PadKind.CONV) and op.low]
         unpadded_n: frozenset = frozenset()

@@ -1,37 +1,19 @@
-"""Exact minimal cast placement by s–t minimum cut (DESIGN §2).
+"""Exact minimal cast placement by s–t minimum cut (DESIGN §2, decisions 0001, 0004, 0016).
 
-Labels: source side = HIGH, sink side = LOW. For a value v with producer p and consumers C, a
-cast is shared by all consumers that need it, so its cost is paid once:
+Labels: source side = HIGH, sink side = LOW. A value's cast is shared by all consumers that
+need it, so it is paid once: p HIGH and some consumer LOW costs bytes(v) through an auxiliary
+node a (p→a bytes, a→c ∞); p LOW and some consumer HIGH through b (c→b ∞, b→p bytes).
 
-* p HIGH and some c ∈ C LOW costs bytes(v): auxiliary node a, edges p→a (bytes), a→c (∞);
-* p LOW and some c ∈ C HIGH costs bytes(v): auxiliary node b, edges c→b (∞), b→p (bytes).
+*Free reads* (PyTorch type promotion): a promoting consumer c with another anchoring input
+whose producer is fixed HIGH reads v in whatever dtype it comes when c runs HIGH, so c→b is
+left out; this only removes terms, so the cut stays exact. Reads anchored by undecided
+groups are solved optimistically in ``plan.plan_precision`` (``promotion_candidates``,
+``justified_reads``).
 
-*Free reads* (PyTorch type promotion): ``add(x_fp16, y_fp32)`` computes in fp32 inside the
-kernel, with no conversion. So when a promoting consumer c of v has another input u that
-anchors (has a dimension) and whose producer is fixed HIGH, c running HIGH reads v in whatever
-dtype it comes, and c's edge c→b is left out; c running LOW still needs v LOW. This only removes
-terms, so the cut stays exact (``free_reads``).
-
-A free read whose anchor is itself free (a residual stream that may run fp32) would make a
-three-way term, not a cut. ``promotion_candidates`` lists those reads and ``justified_reads``
-keeps the ones a labelling actually anchors; ``plan.plan_precision`` solves with the optimistic
-set, drops the unjustified reads until the labelling is consistent, and keeps the result only
-if its true cast bytes are lower than the exact answer's under fixed anchors.
-
-Each free group that would save memory traffic in low precision gets an edge g→t whose capacity
-is its traffic times (β·CAST_WEIGHT + 1), cast bytes being weighted by ``CAST_WEIGHT``: with the
-default β = 0 traffic only breaks ties between placements with the same cast bytes. The min cut
-returned is the one whose sink side is the set of nodes that can reach the sink in the residual
-graph (what ``networkx.minimum_cut`` returns; the smallest LOW set among all minimum cuts). The
-traffic edges make every group that saves traffic strictly prefer LOW, so remaining ties are
-among groups that save nothing (sources, sinks), and those go HIGH. The region is solved on
-OR-Tools' compiled max-flow (``maxflow.sink_side``); ``MIN_CUT_SOLVER = "networkx"`` builds the
-same network in networkx, as the reference the tests compare with.
-
-Fixed groups are terminals, so the problem splits into independent free *regions*; a region
-whose neighbours are all LOW is all-LOW without a flow (only regions reached from a HIGH group
-are listed at all), small regions are enumerated, and only the rest build a flow network.
-Regions are put in a canonical form first, so the repeated layers of a model are solved once.
+Groups that save memory traffic when low get an edge g→t of traffic·(β·CAST_WEIGHT + 1), so
+with β = 0 traffic only breaks ties; the cut returned has the smallest LOW set, and the
+remaining ties (groups that save nothing) go HIGH. Fixed groups are terminals, so the problem
+splits into free *regions*, put in a canonical form so repeated layers are solved once.
 """
 from __future__ import annotations
 
@@ -61,13 +43,8 @@ class Region(NamedTuple):
 def constrained_regions(graph: PrecisionGraph,
                         labels: dict[Hashable, Precision]) -> list[Region]:
     """The free regions (components of free groups joined through shared values) that have
-    a HIGH neighbour, found by a search from the HIGH groups: only they need a cut. Every
-    other free group runs LOW at no cost, so a graph of many unconstrained regions (a chain
-    of convolutions or GEMMs) is never walked region by region.
-
-    Groups and values are listed in graph order, as a scan of all values lists them: the
-    canonical form (``canonical``) numbers them in that order.
-    """
+    a HIGH neighbour: only they need a cut; every other free group runs LOW at no cost.
+    Groups and values are in graph order, the order ``canonical`` numbers them in."""
     producer, consumers = graph._producer, graph._consumers
     inputs, outputs = graph._inputs, graph._outputs
     assigned: set[Hashable] = set()  # free groups already in a region
@@ -187,8 +164,7 @@ Term = tuple[int, Ref, tuple[Ref, ...], tuple[int, ...]]
 def canonical(graph: PrecisionGraph, region: Region, fixed: dict[Hashable, Precision],
               per_traffic_byte: int = 1, free: FreeReads = frozenset()
               ) -> tuple[tuple[Term, ...], tuple[int, ...]]:
-    # The hot loop of a region as large as the model (a residual stream): the graph's dicts
-    # are read directly, and the free-read test is skipped where there are none (ONNX).
+    # hot loop (a region can be the whole residual stream): the graph's dicts read directly
     index = {g: i for i, g in enumerate(region.groups)}
     producer, consumers = graph._producer, graph._consumers
     inputs, outputs, groups = graph._inputs, graph._outputs, graph._groups
@@ -258,10 +234,8 @@ def _enumerate(terms, traffic) -> tuple[Precision, ...]:
 def _min_cut(terms: tuple[Term, ...], traffic: tuple[int, ...]) -> tuple[Precision, ...]:
     """The networkx construction below on the compiled solver, labels identical.
 
-    Auxiliary nodes tied to a terminal by an infinite arc are that terminal (the arc is never
-    cut, and the node can reach the sink exactly when the terminal can), so a to-high node
-    with a fixed HIGH consumer is the source and a to-low node with a fixed LOW consumer is the
-    sink. Infinite arcs then never touch a terminal, which keeps int64 sums small.
+    An auxiliary node tied to a terminal by an infinite arc is that terminal, so infinite
+    arcs never touch a terminal, which keeps int64 sums small.
     """
     n = len(traffic)
     source, sink = n, n + 1
@@ -297,7 +271,7 @@ def _min_cut(terms: tuple[Term, ...], traffic: tuple[int, ...]) -> tuple[Precisi
 
 
 def _min_cut_networkx(terms, traffic) -> tuple[Precision, ...]:
-    import networkx as nx  # imported here: 0.26 s at startup, used only off the OR-Tools path
+    import networkx as nx  # slow to import; only the reference path needs it
 
     flow = nx.DiGraph()
     flow.add_nodes_from((_S, _T, *range(len(traffic))))
@@ -337,12 +311,9 @@ def _min_cut_networkx(terms, traffic) -> tuple[Precision, ...]:
 
 def settled_sources(graph: PrecisionGraph, fixed: dict[Hashable, Precision],
                     free: FreeReads = frozenset()) -> dict[Hashable, Precision]:
-    """Free sources (initializers) whose readers are all fixed at one precision take it.
-
-    Exact without a flow: a source has no inputs and saves no traffic, so matching its readers
-    costs nothing and anything else costs a cast. Large models have one such source per weight.
-    Readers fixed HIGH that read the source for free want nothing.
-    """
+    """Free sources (initializers) whose readers are all fixed at one precision take it:
+    exact without a flow, as a source saves no traffic and anything else costs a cast.
+    Readers fixed HIGH that read the source for free want nothing."""
     settled = {}
     outputs, consumers = graph._outputs, graph._consumers
     for key, group in graph._groups.items():

@@ -78,9 +78,8 @@ def _record(plan: PrecisionPlan, groups: list) -> dict:
 
 
 class Reasons(Mapping):
-    """Node name → the reasons behind each of its groups' precision, built on lookup (an
-    ONNX model of 50k nodes never pays for the chains nobody asks about). ``prefix(name,
-    keys)`` gives lines to put first (what created the node)."""
+    """Node name → the reasons behind each of its groups' precision, built on lookup.
+    ``prefix(name, keys)`` gives lines to put first (what created the node)."""
 
     def __init__(self, plan: PrecisionPlan, graph: PrecisionGraph,
                  prefix: Callable[[str, list], list[str]] | None = None) -> None:

@@ -76,11 +76,9 @@ def rewrite(model: torch.nn.Module, example_inputs: Any = None, *,
     regions (casts included) into Inductor-compiled submodules after it (``fx/fusion.py``,
     ``fx/pointwise.py``); False gives the unfused graph.
     ``emulate_gemms``: run the GEMMs, convolutions and attention the plan makes low as fp32
-    kernels on low-rounded operands, output rounded to the low dtype (``fx/lowering.py``: the
-    low kernel's numerics class at fp32 speed). None (default): follow the device, and only
-    with ``fuse``: on a CPU, GEMMs and convolutions when it has no native bf16/fp16 GEMM
-    instructions (100x+ faster there), attention calls the fp32 kernel runs faster here
-    (timed once per distinct call); never on CUDA. True: every low kernel; False: none.
+    kernels on low-rounded operands (``fx/lowering.py``). None (default): only with ``fuse``,
+    on a CPU without native bf16/fp16 GEMMs, and attention calls the fp32 kernel runs
+    faster (timed once per call); never on CUDA. True: every low kernel; False: none.
     The user's module is never mutated; the result owns copies of its parameters.
     """
     options = FxOptions.checked(dtype=dtype, rules=rules, keep_fp32=keep_fp32,

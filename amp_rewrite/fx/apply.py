@@ -62,14 +62,9 @@ def apply_plan(gm: torch.fx.GraphModule, view: FxView, plan: PrecisionPlan) -> A
 
 
 def promoted_reads(view: FxView, plan: PrecisionPlan) -> set[tuple[Hashable, Node]]:
-    """(group, value) reads of a low value by a high promoting op that needs no upcast.
-
-    ``add(x_fp16, y_fp32)`` computes in fp32 exactly as ``add(x.float(), y)`` does, provided
-    some fp32 input has at least one dimension (a 0-dim tensor does not promote a dimensioned
-    one). The upcast then happens inside the kernel, with no conversion kernel or copy. The
-    core plans no cast where that input was fixed fp32 (``placement.free_reads``); this also
-    covers inputs the min-cut happened to place fp32.
-    """
+    """(group, value) reads of a low value by a high promoting op that needs no upcast: some
+    other fp32 input has a dimension, so the kernel upcasts (``placement.free_reads``, here
+    also for inputs the min cut placed fp32)."""
     covered: set[tuple[Hashable, Node]] = set()
     for group, ports in view.ports.items():
         info = view.graph.group(group)
@@ -210,11 +205,8 @@ def _erase_unused_casts(graph: torch.fx.Graph) -> int:
 
 
 def retype_values(gm: torch.fx.GraphModule, view: FxView, plan: PrecisionPlan) -> None:
-    """Update ``meta['val']`` dtypes to the plan without re-running fake propagation.
-
-    A full FakeTensorProp of BERT-base costs ~5 s; retyping only what changed costs a few
-    milliseconds. Tests check it against a full propagation on real models.
-    """
+    """Update ``meta['val']`` dtypes to the plan without re-running fake propagation
+    (much cheaper; tests check it against a full propagation)."""
     memo: dict = {}
     for node in gm.graph.nodes:
         if is_cast(node):
@@ -238,16 +230,9 @@ def _set_val(node: Node, val: object, dtype: torch.dtype, memo: dict) -> None:
 
 
 def retyped(val: torch.Tensor, dtype: torch.dtype, memo: dict | None = None) -> torch.Tensor:
-    """``val.to(dtype)``, under ``val``'s fake mode if it has one.
-
-    ``memo`` (one per pass) shares one result among fake values of the same shape, strides,
-    device and ``requires_grad``: with symbolic shapes a fake ``.to`` costs ~0.3 ms (SymInt
-    arithmetic in ``empty_strided``), and a transformer repeats a few dozen layouts thousands
-    of times (2.6k retyped values, 26 layouts on a 48-layer GPT-2). Sharing is safe as meta
-    values are used here: the passes read them and never mutate them, and torch.compile or
-    torch.export of the result fake-propagate afresh. Casts already share their input's value
-    where the dtype is unchanged.
-    """
+    """``val.to(dtype)``, under ``val``'s fake mode if it has one. ``memo`` (one per pass)
+    shares one result among fake values of the same layout, as a fake ``.to`` is slow with
+    symbolic shapes; safe, as the passes never mutate meta values."""
     mode = getattr(val, "fake_mode", None)
     if mode is None:
         return val.to(dtype)

@@ -1,9 +1,7 @@
 """Capture an ``nn.Module`` as a ``torch.fx.GraphModule`` whose nodes carry ``meta['val']``.
 
-Three ways in (DESIGN §1): ``torch.export`` (the default; it handles real ``transformers``
-models), ``torch.fx.symbolic_trace`` (simple modules), or an existing ``GraphModule`` taken as
-is. The user's module is never mutated: the module is deep-copied before capture, so the
-returned graph owns its parameters (training it leaves the original alone).
+``torch.export`` (default), ``torch.fx.symbolic_trace``, or an existing ``GraphModule`` as is
+(DESIGN §1). The module is deep-copied first, so the user's module is never mutated.
 """
 from __future__ import annotations
 
@@ -84,9 +82,7 @@ def _positional_landing(module: torch.nn.Module, args: tuple) -> str:
             "the others by keyword, example_kwargs={'attention_mask': ...})")
 
 
-# transformers models return their key/value cache when ``config.use_cache`` is on (every
-# causal LM's default); torch.export cannot return a DynamicCache (not a pytree node), and
-# training and evaluating need no cache.
+# torch.export cannot return a transformers DynamicCache, and training needs none
 _CACHE_KEYWORD = "use_cache"
 _ANNOUNCED: set[type] = set()
 
@@ -112,13 +108,9 @@ def _without_cache_output(module: torch.nn.Module, kwargs: dict) -> dict:
 
 
 class _CapturedKeywords:
-    """Forward pre-hook of an exported graph: calls take the keywords it was captured with.
-
-    torch.export fixes the set of keywords (and the value of non-tensor ones); a call that
-    differs gets torch's "kwarg keyword mismatch" with no hint. Here a non-tensor keyword
-    left out takes its captured value (``use_cache=False`` above), and any other difference
-    is a one-line ``UsageError`` naming the keyword.
-    """
+    """Forward pre-hook of an exported graph: a non-tensor keyword left out takes its
+    captured value; any other difference from the captured keywords is a one-line
+    ``UsageError`` naming it (torch's own error gives no hint)."""
 
     def __init__(self, captured: dict) -> None:
         self.constants = {k: v for k, v in captured.items() if not _holds_tensor(v)}
@@ -186,13 +178,8 @@ def capture(model: torch.nn.Module, example_inputs: Any,
 
 @contextlib.contextmanager
 def quiet_torch_logs() -> Iterator[None]:
-    """Drop torch's log records while capturing: a failed capture logs fake-tensor
-    tracebacks and the partial graph (twice) before raising; our one error says it all.
-
-    A filter on the handlers, not logger levels: torch._logging gives many of its loggers
-    their own handler and level (propagate=False), and records reach handlers, not parent
-    filters.
-    """
+    """Drop torch's log records (tracebacks, partial graphs) while capturing: our one error
+    says it all. A filter on the handlers, as many torch loggers do not propagate."""
     loggers = [logger for name, logger in logging.root.manager.loggerDict.items()
                if isinstance(logger, logging.Logger) and _is_torch_name(name)]
     handlers = {h for logger in [logging.getLogger(), *loggers] for h in logger.handlers}
@@ -218,12 +205,8 @@ def _drop_torch_records(record: logging.LogRecord) -> bool:
 def export_dynamic_shapes(module: torch.nn.Module, args: tuple, kwargs: dict,
                           requested: Any) -> Any:
     """What ``torch.export`` gets: the user's spec, None for ``"static"``, else ``Dim.AUTO``
-    on the batch and sequence dimensions of every tensor input (``_auto_dims``).
-
-    AUTO lets export keep a dimension symbolic unless the model fixes it (a Linear's features,
-    a conv's channels, size-1 dimensions), so the batch and sequence dimensions of a training
-    loop's smaller last batch or longer sentence pass the graph's guards.
-    """
+    (symbolic unless the model fixes it) on the batch and sequence dims of every tensor
+    input (``_auto_dims``), so a smaller last batch or longer sentence passes the guards."""
     if requested == STATIC:
         return None
     if requested is not None:
@@ -237,9 +220,8 @@ def export_dynamic_shapes(module: torch.nn.Module, args: tuple, kwargs: dict,
 
 
 def _auto_dims(value: Any) -> Any:
-    """Batch and sequence: every dimension of a tensor of rank <= 3 ((B, T), (B, T, C)),
-    the batch only of images and volumes (rank >= 4), whose spatial sizes a training loop
-    keeps fixed and whose symbolic windowing costs export minutes (Swin: 165 s vs 6 s)."""
+    """Every dimension of a tensor of rank <= 3; only the batch of rank >= 4 (images),
+    whose spatial sizes stay fixed and whose symbolic windowing is slow to export."""
     if not isinstance(value, torch.Tensor) or value.dim() == 0:
         return None
     dims = range(value.dim()) if value.dim() <= _MAX_SEQUENCE_RANK else range(1)
@@ -269,9 +251,8 @@ def _export(module: torch.nn.Module, args: tuple, kwargs: dict,
 
 
 def _fix_mode(gm: torch.fx.GraphModule, training: bool) -> None:
-    """An exported graph has dropout/batch-norm behaviour baked in: ``train()``/``eval()``
-    accept the captured mode (so training loops that call them keep working) and explain
-    the others (torch's own message only says it is not supported)."""
+    """``train()``/``eval()`` of an exported graph accept the captured mode and explain the
+    other (dropout and batch norm are baked in)."""
     captured = "train" if training else "eval"
 
     def set_mode(self: torch.fx.GraphModule, mode: bool = True) -> torch.fx.GraphModule:
@@ -420,10 +401,8 @@ def _model_frame(error: Exception) -> str:
 
 
 def has_fake_values(gm: torch.fx.GraphModule) -> bool:
-    """True when every placeholder and function/method call carries ``meta['val']``.
-
-    (Modules are left out: export's ``_guards_fn`` returns nothing and has no value.)
-    """
+    """True when every placeholder and function/method call carries ``meta['val']``
+    (modules are left out: export's ``_guards_fn`` has no value)."""
     ops = ("placeholder", "call_function", "call_method")
     return all("val" in n.meta for n in gm.graph.nodes if n.op in ops)
 
@@ -468,10 +447,8 @@ class _NodeTrackingFakeProp(FakeTensorProp):
 
 
 def refresh_fake_values(gm: torch.fx.GraphModule) -> None:
-    """Recompute ``meta['val']`` after a rewrite, from the placeholders' own fake values.
-
-    Reusing the placeholders' fake mode keeps symbolic (``torch.export.Dim``) sizes symbolic.
-    """
+    """Recompute ``meta['val']`` after a rewrite under the placeholders' own fake mode, so
+    symbolic sizes stay symbolic."""
     vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
     with _graph_fake_mode(vals) as mode:
         FakeTensorProp(gm, mode).run(*vals, enable_io_processing=False)
@@ -492,10 +469,8 @@ def _graph_fake_mode(placeholder_vals: list) -> Iterator[FakeTensorMode]:
 
 def fill_missing_fake_values(gm: torch.fx.GraphModule) -> bool:
     """``meta['val']`` for the call_function nodes that have none (those a fusion created),
-    each computed from its inputs' fake values: a 48-layer GPT-2 spent 3.9 s of a 4.3 s
-    rewrite re-propagating every node after the attention fusion. The nodes downstream keep
-    their values: a fused op has the shape and dtype of the chain it replaced. False (and
-    nothing changed) where an input has no fake value; the caller then refreshes all."""
+    from their inputs' fake values; downstream nodes keep theirs (a fused op has the shape
+    and dtype of its chain). False, nothing changed, where an input has no fake value."""
     missing = [n for n in gm.graph.nodes if n.op == "call_function" and "val" not in n.meta]
     inputs = {a for n in missing for a in n.all_input_nodes}
     if any("val" not in a.meta and a not in missing for a in inputs):

@@ -1,22 +1,12 @@
 """The autocast floor: never run an op in lower precision than ``torch.autocast`` would.
 
-``torch.autocast`` casts inputs only for its lower-precision ops (our allow class) and its fp32
-ops (deny); every other op runs in the dtype PyTorch's type promotion gives its inputs. So an op
-that reads an FP32 parameter, an fp32 mask or an fp32 residual stream runs in fp32 under
-autocast, for free: the kernel promotes. A cast-minimising plan may instead cast that stream
-down once and run everything after it low (BERT's post-norm residual stream, a final norm that
-is the model's output), which costs fewer casts but doubles the output error.
-
-``autocast_pins`` replays autocast's dispatch over the PrecisionGraph, in topological order:
-allow → low, deny → high, sources and fixed groups as they are, any other op high iff an input
-that anchors promotion (one with a dimension) is high. Groups that come out high and are not
-fixed yet become pins for the core: the plan is then at least as precise as autocast
-everywhere, and the min cut still chooses the rest. The replay is cheap (one pass), and since
-pinned groups are fixed high, their promoting reads of low values are free reads in the core,
-exactly as they are free in autocast.
-
-The model's own fp32 conversions whose dtype the trace may have frozen (``x.to(q.dtype)``,
-``opkeys.RETYPABLE``) are replayed as low: under autocast ``q`` is usually low there.
+Under autocast an op outside its cast lists runs in the dtype type promotion gives its inputs,
+so an op reading an fp32 parameter, mask or residual stream runs fp32 for free; a
+cast-minimising plan could instead run it low at twice the output error (decision 0005).
+``autocast_pins`` replays autocast's dispatch over the PrecisionGraph in topological order
+(allow → low, deny → high, others high iff an anchoring input is high) and pins the groups
+that come out high; the min cut still chooses the rest. The model's own fp32 conversions
+whose dtype the trace may have frozen (``opkeys.RETYPABLE``) are replayed as low.
 """
 from __future__ import annotations
 

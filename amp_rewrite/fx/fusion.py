@@ -1,28 +1,18 @@
 """Pattern fusion before precision planning (DESIGN §4): spelled-out chains → fused ATen kernels.
 
-Each pass recognises a chain that PyTorch has one kernel for and replaces it, so the planner sees
-one op whose kernel computes in fp32 registers (``opmath``) where the spelled-out chain needs an
-fp32 island and its casts. All rewrites are exact in fp32 up to rounding order, keep
-``nn_module_stack`` (for ``keep_fp32`` patterns) and tag the new node with
-``meta[FUSED_TAG] = pattern`` so reports and ``explain`` name it.
+Each pass replaces a chain PyTorch has one kernel for, so the planner sees one op that computes
+in fp32 registers where the chain needs an fp32 island and its casts (decision 0015). Rewrites
+are exact in fp32 up to rounding order, keep ``nn_module_stack`` and tag the new node with
+``meta[FUSED_TAG] = pattern``.
 
-* ``FuseTanhGelu``: ``0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x**3)))`` (Hugging
-  Face's ``gelu_new``; GPT-2, ALBERT, T5 v1.1) → ``gelu(x, approximate="tanh")``, in its ATen
-  spelling (``torch.export``) and its ``symbolic_trace`` spelling. ``x**3`` alone leaves the
-  fp16 range for |x| > 40, so the chain would otherwise cost an fp32 island per layer.
-* ``FuseAttention``: ``softmax(q·kᵀ · scale + masks) · v`` with identity conversions and eval
-  dropout in between (what ``transformers`` exports with eager attention) →
-  ``scaled_dot_product_attention(q, k, v, attn_mask=sum of masks, scale=scale)``: no score
-  matrix in memory on the fused CPU/CUDA kernels, softmax statistics in fp32 inside.
-  ``masked_fill(scores, m, v)`` becomes the additive mask ``where(m, v, 0)`` (exact: s + v
-  rounds to v for the large negative v models use). Training-mode dropout on the
-  probabilities becomes ``dropout_p`` (same distribution, other random draws).
-* ``FuseNorms``: ``x * rsqrt(mean(x², -1) + eps) [* w]`` (RMSNorm, with the ``.to(float32)``
-  round trip HF writes) → ``rms_norm``; ``(x - mean(x)) / sqrt(mean((x - mean(x))²) + eps)
-  [* w + b]`` (or with ``rsqrt``) → ``layer_norm``. Only normalisation over the last dim.
+* ``FuseTanhGelu``: ``0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x**3)))`` →
+  ``gelu(x, approximate="tanh")`` (ATen and ``symbolic_trace`` spellings).
+* ``FuseAttention``: ``softmax(q·kᵀ · scale + masks) · v`` with identity conversions and
+  dropout between → ``scaled_dot_product_attention``; ``masked_fill(scores, m, v)`` becomes
+  the additive mask ``where(m, v, 0)``, training dropout ``dropout_p``.
+* ``FuseNorms``: spelled-out RMSNorm → ``rms_norm``, LayerNorm → ``layer_norm`` (last dim).
 
-These passes work on ATen graphs (``torch.export`` capture, the default); ``FuseTanhGelu``
-also on ``symbolic_trace`` graphs.
+All work on ATen graphs; ``FuseTanhGelu`` also on ``symbolic_trace`` graphs.
 """
 from __future__ import annotations
 
@@ -355,9 +345,6 @@ class FuseAttention(_AnchoredFusion):
 
 
 # --- norms ----------------------------------------------------------------------------------
-
-_SQUARES = (aten.pow.Tensor_Scalar, aten.mul.Tensor, aten.square.default)
-
 
 class FuseNorms(_AnchoredFusion):
     """Spelled-out RMSNorm → ``rms_norm``, LayerNorm → ``layer_norm`` (module docstring)."""

@@ -1,24 +1,13 @@
 """What the rewrite checks or adapts before planning, so it never returns a silent wrong result.
 
-* ``refuse_non_float_gemm_inputs``: an integer tensor into a GEMM or convolution (the ops of
-  the allow class: torch.autocast's lower-precision list) fails when the module is called
-  (``mat1 and mat2 must have the same dtype, Long and Half``), but capture does not notice: fake
-  kernels do not check. Refused at rewrite time with a ``UsageError`` naming node and input.
-* ``ConvertForeignFloats``: a model whose tensors are in the *other* low dtype (bfloat16 when
-  the target is float16, or the reverse) is converted as ``torch.autocast`` converts it: every
-  such input, parameter and buffer gets a ``_to_copy(dtype=float32)`` that the plan then
-  retypes to the target dtype where its readers run low, so lower-precision ops run in the
-  target dtype and fp32 ops in fp32 (autocast upcasts the low inputs of its fp32 list). Graph
-  outputs are converted back to their original dtype (``keep_io_types``).
-* ``mark_missing_low_kernels``: on CPU, an op whose kernel has no float16/bfloat16 variant
-  (``avg_pool3d``) would make the rewritten graph fail when called. Torch keeps no queryable
-  table of the dtypes each kernel's ``AT_DISPATCH`` covers, so the op is run once on zeros of
-  the node's shapes in the low dtype (RNG state preserved, result cached per op and dtype); a
-  "not implemented for 'BFloat16'" answer marks the node, and the view keeps it fp32. A
-  convolution whose low CPU kernel computes wrong results for its shapes (probed on seeded
-  random operands against float32 on the same rounded operands) is kept fp32 the same way.
-  float64 tensors are left alone, as
-  autocast leaves them: a float64 model comes back unchanged, with a note that says so.
+* ``refuse_non_float_gemm_inputs``: an integer tensor into a GEMM or convolution, which fake
+  kernels do not check, is a ``UsageError`` naming node and input.
+* ``ConvertForeignFloats``: tensors in the *other* low dtype are converted as
+  ``torch.autocast`` would, through a ``_to_copy(float32)`` the plan retypes; graph outputs
+  are converted back.
+* ``mark_missing_low_kernels``: on CPU, an op whose kernel has no low variant, or a
+  convolution whose low kernel computes wrong results for its shapes, is probed once on
+  zeros (or seeded operands) and marked, and the view keeps it fp32. float64 is left alone.
 """
 from __future__ import annotations
 
@@ -207,10 +196,8 @@ def mark_missing_low_kernels(gm: torch.fx.GraphModule, low: torch.dtype, rules: 
     return marked
 
 
-# A low kernel that is right differs from float32 on the same rounded operands by the
-# rounding of its output and a different summation order: a few units of the low dtype's
-# epsilon at most. Some oneDNN bf16 kernels (grouped conv1d with 4 groups, torch 2.13, AMX)
-# return results off by more than 100%; 8 eps separates the two with a wide margin.
+# A right low kernel differs from float32 on the same rounded operands by a few units of
+# the low dtype's epsilon; a wrong one (some oneDNN bf16 grouped convs) by far more.
 _WRONG_KERNEL_ULPS = 8
 _CONV_ERRORS: dict[tuple, float | None] = {}
 

@@ -1,39 +1,21 @@
 """Device-aware lowering: low-precision GEMMs as fp32 kernels on CPUs without low GEMM units.
 
-A CPU without bf16/fp16 matrix instructions (no AVX512-BF16/AMX-BF16/AVX512-FP16, e.g. any
-AVX2-only CPU: ``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` is False) runs PyTorch's
-bf16/fp16 ``mm``/``linear``/``conv`` on a scalar fallback ~100x slower than fp32 (measured
-here: a 1024x768 @ 768x768 GEMM takes 1.09 s in bf16, 7 ms in fp32; a conv 26x slower).
-
-``EmulateLowKernels`` rewrites each GEMM, convolution and ``scaled_dot_product_attention``
-the plan runs low into the same op in fp32 on the low-rounded operands, its output rounded to
-the low dtype::
+A CPU without bf16/fp16 matrix instructions runs PyTorch's low ``mm``/``linear``/``conv`` on a
+scalar fallback far slower than fp32. ``EmulateLowKernels`` rewrites each GEMM, convolution
+and ``scaled_dot_product_attention`` the plan runs low into the same op in fp32 on the
+low-rounded operands, its output rounded to the low dtype::
 
     linear(x_bf16, w_bf16, b_bf16)  →  _to_copy(linear(x_bf16.float(), w_bf16.float(),
                                                         b_bf16.float()), dtype=bf16)
 
-This is the numerics class of the low kernel, not fp32: every operand is the bf16/fp16 value
-the plan made; a product of two bf16 (or fp16) values is exact in fp32, the low kernels
-accumulate in fp32 too, and the result is rounded to the low dtype where the plan said so.
-The only difference is rounding order inside the fp32 accumulation, and for SDPA one rounding
-fewer (the CPU low kernel rounds the softmax probabilities to the low dtype before ``· v``).
-Backward follows through autograd: its GEMMs are fp32 kernels on low-rounded gradients too.
-The casts join the pointwise regions next to them (``fx/pointwise.py``, which keeps their
-rounding inside compiled regions).
+This is the low kernel's numerics class, not fp32: a product of two low values is exact in
+fp32, low kernels accumulate in fp32 too, and the result is rounded where the plan said so.
 
-Which kernels (``rewrite(..., emulate_gemms=None)``, the default): on device 'cpu' the
-GEMMs and convolutions when the CPU has no native low GEMM (``native_low_gemm``), and each
-distinct attention call when measuring it here says the fp32 kernel is faster
-(``attention_faster_in_fp32``); never on CUDA. PyTorch's CPU flash attention computes in
-fp32 internally whatever its I/O dtype, and whether its bf16/fp16 variant or the fp32 one is
-faster depends on the CPU and the shape (an AVX512-BF16 host, forward + backward: bf16 5.0 ms
-against 1.7 ms in fp32 at 8x4x128x16, 21 ms against 12 ms at 8x12x128x64, the bf16 kernel
-ahead at sequence 1024 in a first run; fp16 3-5x slower), so a fixed rule would be wrong on
-some of them; Inductor's autotuning makes kernel choices the same way.
-
-Each lowered kernel carries ``meta[LOWERED_TAG] = "kernel"`` (its operand casts
-"operand", its output cast "result"); ``gm.amp_report["emulated_gemms"]`` counts them and
-``explain`` says so. ``RestoreLowKernels`` undoes it (a second rewrite plans the low graph).
+Which kernels (``emulate_gemms=None``): on 'cpu', GEMMs and convolutions when the CPU has no
+native low GEMM (``native_low_gemm``), and each distinct attention call when timing it here
+says the fp32 kernel is faster (``attention_faster_in_fp32``: which wins depends on CPU and
+shape); never on CUDA (decision 0021). Lowered nodes carry ``meta[LOWERED_TAG]``;
+``RestoreLowKernels`` undoes it (a second rewrite plans the low graph).
 """
 from __future__ import annotations
 
@@ -142,9 +124,8 @@ def _example(a, grad: bool):
 
 
 def _time_attention(node: Node, train: bool) -> tuple[bool, float, float]:
-    # q, k, v take gradients in training; a mask only if it is learned (T5's position bias):
-    # with a mask that needs one, CPU SDPA takes another backward path (measured 2.3 ms
-    # against 5.0 ms at 8x4x128x16 bf16), so a blanket requires_grad times the wrong kernel
+    # q, k, v take gradients in training; a mask only if it is learned (T5's position bias),
+    # as CPU SDPA takes another backward path for a mask that needs one
     args = [_example(a, train and (i < 3 or _needs_grad(a))) for i, a in enumerate(node.args)]
     kwargs = {k: _example(v, train and _needs_grad(v)) for k, v in node.kwargs.items()}
     # same math every call; dropout costs both sides alike (dropout_p: 5th argument)
@@ -163,9 +144,8 @@ def _time_attention(node: Node, train: bool) -> tuple[bool, float, float]:
                 out.backward(torch.ones_like(out))
 
     def median_ms(fp32: bool) -> float:
-        """Median of >= 5 runs and >= 30 ms in all. Not the minimum: the low kernel's
-        backward is bimodal on CPU (measured at 8x4x128x16: fastest run 1.8 ms, median
-        6.7 ms, 8.7 ms per call inside a training step), and the step pays the usual run."""
+        """Median of >= 5 runs and >= 30 ms in all (not the minimum: the low backward is
+        bimodal on CPU, and a step pays the usual run)."""
         run(fp32)  # warm-up
         times: list[float] = []
         while len(times) < 5 or (sum(times) < 0.03 and len(times) < 200):

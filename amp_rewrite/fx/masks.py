@@ -1,13 +1,9 @@
 """Attention masks that mask nothing are dropped from ``scaled_dot_product_attention``.
 
-Why: traced, a ``transformers`` model builds its "no padding" mask as a boolean tensor
-(``expand(arange(S) + 0 >= 0)``) where eager code passes none, and with a mask PyTorch picks
-the math attention kernel, which computes in float32 (measured: decision record 0023).
-
-The pass proves a mask all-True (or an additive mask all-zero) for *every* input shape with
-an interval evaluation of the shape-only ops it is built from (``arange``, scalar arithmetic,
-comparisons with scalars, views, logical and/or), never from the example values, so dropping
-it is exact under dynamic shapes. Anything it cannot prove keeps its mask.
+A traced ``transformers`` model builds its "no padding" mask as a boolean tensor where eager
+code passes none, and with a mask PyTorch picks the float32 math kernel (decision 0023). A
+mask is proved all-True (or all-zero, additive) for *every* input shape by interval evaluation
+of the shape-only ops it is built from, never from example values; anything else is kept.
 """
 from __future__ import annotations
 

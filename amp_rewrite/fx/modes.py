@@ -1,15 +1,9 @@
 """Train and eval from one rewrite: ``rewrite(model, x, mode="both")``.
 
-``torch.export`` bakes dropout and batch norm into the graph in the mode the module was in,
-and an exported module refuses ``.train()`` / ``.eval()``. A training loop that evaluates
-between epochs needs both graphs, reading and updating the *same* parameters and running
-statistics. ``TrainEvalModule`` holds the two rewritten captures, makes the eval graph use
-the train graph's submodules, parameters and buffers (the very objects, so an optimizer step or
-a batch-norm update is seen by both), and runs the one that matches ``self.training``.
-
-Its own ``_modules``, ``_parameters`` and ``_buffers`` are the train graph's dictionaries, so
-``state_dict()`` keys are the original model's, ``parameters()`` lists each tensor once, and
-``.to()`` / ``.cuda()`` move the one shared set.
+``torch.export`` bakes dropout and batch norm into the graph in the capture's mode.
+``TrainEvalModule`` holds both rewritten captures on the *same* submodules, parameters and
+buffers (its ``_modules``, ``_parameters``, ``_buffers`` are the train graph's, so
+``state_dict()`` keys are the model's) and runs the one that matches ``self.training``.
 """
 from __future__ import annotations
 

@@ -1,28 +1,15 @@
 """Pad low-precision GEMM/conv dims to multiples of 8 inside an fx graph (DESIGN §4).
 
-``PadGemms`` runs after ``MixedPrecisionPass``: a GEMM/conv is low when its output's
-``meta['val']`` is float16/bfloat16. It builds the core's pad graph (``linear``, ``mm``,
-``addmm``, ``matmul``/``bmm``, ``conv*``/``convolution``, and the finite-safe pointwise ops of
-``_POINTWISE``), plans (``core.padding``) and gives every read the layout the plan asks for:
+``PadGemms`` runs after ``MixedPrecisionPass``, builds the core's pad graph, plans
+(``core.padding``, slices being views here) and gives every read the layout the plan asks for:
 
-* a weight is padded *inside the graph*: ``constant_pad_nd`` of the FP32 parameter directly
-  followed by its cast (``_to_copy``), so Inductor fuses pad and cast into one kernel (and a
-  second run of the precision pass, whose autocast floor keeps a pad of an fp32 tensor fp32,
-  places them the same way); parameters and
-  ``state_dict`` keep their shapes, and autograd slices the gradient back (the backward of a
-  constant pad), so the FP32 parameters receive the unpadded model's gradients;
-* an activation read padded but produced unpadded gets one ``constant_pad_nd`` per layout;
-* a value produced padded but read unpadded gets one ``aten.slice`` (graph outputs keep
-  their shapes).
+* a weight: ``constant_pad_nd`` of the FP32 parameter directly followed by its cast, so
+  ``state_dict`` keeps its shapes and the parameters receive the unpadded model's gradients;
+* an activation read padded but produced unpadded: one ``constant_pad_nd`` per layout;
+* a value produced padded but read unpadded: one ``aten.slice`` (outputs keep their shapes).
 
-Which dims pay is the core's cost model; slices here are views, so it charges none
-(``plan_padding(slice_is_view=True)``), and symbolic dims are estimated at the example
-inputs' sizes. Symbolic dims are not padded (``can_pad`` without ``runtime_pads``): a graph
-padding by ``(8 - s % 8) % 8`` (``sym_size``/``operator.mod``, ``new_zeros`` + ``cat``; Pad
-itself rejects symbolic amounts under fake tensors) runs exactly in eager for every size,
-but ``torch.export`` of the result guards on the amount and specialises the dim to the
-example's residue mod 8 (a constraint violation for a ``Dim``), so the output would no
-longer export. A second run finds every padded dim aligned and changes nothing.
+Symbolic dims are not padded: ``torch.export`` of the result would specialise the dim on the
+pad amount (decision 0019). A second run finds every padded dim aligned and changes nothing.
 """
 from __future__ import annotations
 
@@ -269,10 +256,8 @@ class _Applier:
         return self.versions[key]
 
     def _pad(self, base: Node, value: Node, pads: tuple[AxisPad, ...]) -> Node:
-        """``constant_pad_nd`` of ``base``; a cast this package inserted (a weight's, an
-        input's) gets the pad in front: pad, then the cast, adjacent, as a second run of the
-        precision pass would place them (the autocast floor keeps a pad of an fp32 tensor
-        fp32), so the output is a fixed point and a pointwise fuser takes both."""
+        """``constant_pad_nd`` of ``base``; a cast this package inserted gets the pad in front,
+        adjacent, as a second run would place them (the output is a fixed point)."""
         if is_cast(base) and set(base.kwargs) == {"dtype"}:
             padded = self._pad(base.args[0], value, pads)
             return insert_cast(self.graph, padded, base.kwargs["dtype"])

@@ -1,17 +1,13 @@
 """The fx passes, on ``torch.fx.passes.infra.pass_base.PassBase`` (DESIGN §6).
 
-* ``InlineModules``: ``call_module`` of a parameterised leaf module (``nn.Linear``, convs,
-  norms, ``nn.Embedding``) → its functional form on ``get_attr`` parameters, so parameters can
-  be cast in-graph. The module tree, and so ``state_dict()``, is unchanged.
-* ``FunctionalizeInPlace``: an in-place op on an intermediate tensor that nothing reads
-  afterwards (ResNet's ``x += shortcut``) → its out-of-place form, so it can be cast freely.
-  In-place ops on inputs, parameters and buffers (also through views and through the result
-  of another in-place op: ``buf.mul_(0.9).add_(x)``), or on tensors read later, stay.
-* ``MixedPrecisionPass``: view → core plan → apply → refreshed ``meta['val']``; the plan and
-  the applied result are kept on the pass for reports.
+* ``InlineModules``: ``call_module`` of a parameterised leaf module → its functional form on
+  ``get_attr`` parameters, so parameters can be cast in-graph (``state_dict()`` unchanged).
+* ``FunctionalizeInPlace``: an in-place op on an intermediate tensor nothing reads afterwards
+  → its out-of-place form; in-place ops on inputs, parameters and buffers (also through views)
+  or on tensors read later stay.
+* ``MixedPrecisionPass``: view → core plan → apply → refreshed ``meta['val']``.
 
-Each pass returns ``PassResult(gm, modified)`` with ``modified`` computed from what it changed;
-a second run of the chain on its own output changes nothing.
+Each returns ``PassResult(gm, modified)`` from what it changed; a second run changes nothing.
 """
 from __future__ import annotations
 

@@ -1,24 +1,12 @@
-"""Pointwise fusion after the plan and its casts (DESIGN §4, last step).
+"""Pointwise fusion after the plan and its casts (DESIGN §4, last step; design.md §7.2).
 
-``FusePointwise`` finds maximal acyclic regions of pointwise ATen ops, casts and norms
-(``layer_norm``, ``rms_norm``: row reductions Inductor fuses with the residual add before and
-the cast after them) included, with torch.fx's ``CapabilityBasedPartitioner``, and turns each
-into one submodule with ``fuse_by_partitions``, wrapped in a ``FusedRegion``: ``print(gm.code)`` shows
-``fused_0 = self.fused_0(...)`` and ``gm.fused_0.__doc__`` lists the ops.
-
-A region's forward is the plain fx code of its ops. At call time, outside any tracing
-(``torch.compile``, ``torch.export``, fx, fake tensors), it runs the region compiled by Inductor
-(``compile_fx``: C++/OpenMP on CPU, Triton on CUDA), through ``aot_autograd`` so backward is a
-compiled kernel too. Compilation is lazy and cached process-wide by the region's structure and
-its inputs' shapes, strides, dtypes, devices and ``requires_grad``: identical regions (every
-layer of a transformer) compile once. Inside ``torch.compile``/``torch.export`` the plain code
-is traced, so the result still compiles and exports. Where Inductor fails (no C++ compiler,
-an unsupported op) the regions run eager, with one log line. Set the environment variable
-``AMP_REWRITE_FUSED_BACKEND=eager`` to skip compilation (tests, debugging).
-
-Parameters stay on the top module (``get_attr`` nodes are never part of a region), so
-``parameters()`` and ``state_dict()`` are unchanged. ``UnfuseRegions`` inlines the regions
-back, so a second rewrite plans the flat graph and fuses it the same way again.
+``FusePointwise`` partitions pointwise ATen ops, casts and norms into maximal acyclic regions
+(``CapabilityBasedPartitioner``), each a ``FusedRegion`` submodule (``fused_0``, ...). At call
+time, outside any tracing, a region runs compiled by Inductor through ``aot_autograd``, cached
+process-wide by structure and input metadata (identical layers compile once); when traced it
+is plain fx code, so the result still compiles and exports. If Inductor fails the regions run
+eager with one log line; ``AMP_REWRITE_FUSED_BACKEND=eager`` skips compiling. Parameters stay
+on the top module; ``UnfuseRegions`` inlines regions back for a second rewrite.
 """
 from __future__ import annotations
 
@@ -45,14 +33,11 @@ PREFIX = "fused_"
 _TEMP_PREFIX = "_amp_region_"
 BACKEND_ENV = "AMP_REWRITE_FUSED_BACKEND"
 _CASTS = (aten._to_copy.default, aten.to.dtype)
-# Norms: row reductions Inductor fuses with the pointwise ops and casts around them (the
-# residual add before, the cast after; forward and backward). rms_norm has no kernel of its
-# own on CPU at all: eager it runs as 5-6 kernels forward and more backward.
+# Norms: row reductions Inductor fuses with the pointwise ops and casts around them.
 _COMPOSITES = (aten.rms_norm.default, aten.layer_norm.default)
 
-# On CUDA a region call costs host time ATen's own launches do not (the aot_autograd wrapper,
-# Inductor's Python launchers): a region pays only where the traffic it saves takes longer
-# than that; at ~3 TB/s, 70 µs moves ~200 MB (measured: decision record 0023).
+# On CUDA a region call costs host time: it pays only where the traffic it saves takes
+# longer than that (decision 0023).
 CUDA_REGION_HOST_SECONDS = 70e-6
 CUDA_MEMORY_BYTES_PER_SECOND = 3.0e12  # copy rate measured on an H100 here (H200: 4.3e12)
 CUDA_MIN_SAVED_BYTES = int(CUDA_REGION_HOST_SECONDS * CUDA_MEMORY_BYTES_PER_SECOND)
@@ -91,16 +76,10 @@ WINDOW = 256  # graph nodes per partitioner run
 
 
 def propose_regions(gm: torch.fx.GraphModule) -> list[list[Node]]:
-    """The partitioner's regions (``CapabilityBasedPartitioner``, horizontal merging on),
-    proposed window by window of ``WINDOW`` consecutive nodes.
-
-    Why windows: with horizontal merging (which keeps weight and sibling casts together) the
-    partitioner's cost grows with the cube of the graph (decision record 0022).
-    Windows are contiguous in topological order, so a path between two nodes of a window
-    never leaves it and a merge that is acyclic inside the window is acyclic in the graph;
-    a window ends before a node that cannot fuse, so a chain is not cut in two (a region
-    that crosses a window's edge through a non-fusible node is proposed as two).
-    """
+    """The partitioner's regions (horizontal merging on), proposed window by window of
+    ``WINDOW`` consecutive nodes, as its cost grows with the cube of the graph (decision
+    0022). Windows are contiguous in topological order, so a merge acyclic inside a window is
+    acyclic in the graph; a window ends before a node that cannot fuse."""
     nodes = list(gm.graph.nodes)
     if len(nodes) <= WINDOW:
         return _partitions(gm, dict(zip(nodes, nodes)))
@@ -230,8 +209,7 @@ def _compile(region: torch.fx.GraphModule, args: Sequence[torch.Tensor]) -> Call
 
     start = time.perf_counter()
     try:
-        # keep every cast's rounding: by default Inductor computes a fp32 → bf16 → fp32 chain
-        # inside one kernel without rounding (measured), which is not the plan's numerics
+        # keep every cast's rounding (Inductor may skip it inside a kernel)
         compiled = compile_fx(copy.deepcopy(region), list(args),
                               config_patches={"emulate_precision_casts": True})
     except Exception as e:  # noqa: BLE001 - any compiler failure: run eager, say so once
@@ -307,9 +285,7 @@ class FusePointwise(PassBase):
         self.declined = len(proposed) - len(partitions)
         if not partitions:
             return PassResult(graph_module, False)
-        # fuse_by_partitions orders a region's inputs by its nodes' order in the list it gets:
-        # by name, so they do not depend on where earlier passes happened to put the nodes
-        # (a second rewrite re-inlines the regions elsewhere and must give the same code)
+        # by name, so a region's inputs do not depend on where earlier passes put the nodes
         fuse_by_partitions(graph_module,
                            [dict.fromkeys(sorted(p, key=_name_key)) for p in partitions],
                            prefix=_TEMP_PREFIX)
@@ -339,15 +315,9 @@ class FusePointwise(PassBase):
 
 
 def sink_to_first_use(gm: torch.fx.GraphModule) -> None:
-    """Order the graph so that every fusible node sits just before the first node that is not
-    fusible and needs it (depth first over that node's arguments, left to right).
-
-    The windows of ``propose_regions`` and the partitioner's merges follow graph order, and
-    where earlier passes put pointwise nodes is not the same on every rewrite (a second
-    rewrite re-inlines regions at their calls; lowering puts casts by the GEMMs it lowers).
-    Other nodes keep their relative order, so this order depends on the graph alone and
-    both rewrites fuse the same regions.
-    """
+    """Order the graph so that every fusible node sits just before the first non-fusible
+    node that needs it (depth first over its arguments), so the regions depend on the graph
+    alone, not on where earlier passes put nodes, and a second rewrite fuses the same."""
     graph = gm.graph
     placed: set[Node] = set()
     order: list[Node] = []
@@ -385,14 +355,8 @@ def _name_key(node: Node) -> tuple[str, int]:
 
 def _canonical_outputs(call: Node, region: torch.fx.GraphModule,
                        position: dict[Node, int]) -> None:
-    """Number a region's outputs by where the graph first reads them, not by the order
-    ``fuse_by_partitions`` gave them.
-
-    That order is a topological sort of the region seeded by node names, and the names of
-    independent nodes (two weight casts) differ between a first rewrite and the rewrite of
-    its re-inlined output: ``fused_2_out0`` would become ``fused_2_out1`` and the code would
-    change. Where the graph reads an output is the same on both rewrites.
-    """
+    """Number a region's outputs by where the graph first reads them, which, unlike the
+    order ``fuse_by_partitions`` gives (seeded by names), is the same on a second rewrite."""
     output = next(n for n in region.graph.nodes if n.op == "output")
     values = output.args[0]
     if not isinstance(values, (tuple, list)) or len(values) < 2:

@@ -1,31 +1,22 @@
-"""Present a GraphModule to the core as a PrecisionGraph (DESIGN §1, "View").
+"""Present a GraphModule to the core as a PrecisionGraph (DESIGN §1, "View"; design.md §3).
 
 Values are the fx nodes that hold one float32 or low-dtype tensor (a tuple-producing node's
-tensors are its ``getitem`` users). Every call node with floating ports becomes one or more
-*groups* (the unit of painting): normally one group holding all its floating tensor arguments
-and outputs, because an ATen op computes in the dtype of its floating arguments. Exceptions:
+tensors are its ``getitem`` users). A call node with floating ports is normally one *group*
+(an ATen op computes in the dtype of its floating arguments). Exceptions:
 
-* conversions and factories with a ``dtype`` argument: the input is a free clear group (it
-  reads either precision), the output is fixed to the dtype the model asked for;
-* ``type_as``: the output follows the second tensor, so they share a group;
-* batch norm: the data runs in either precision, the affine parameters and running statistics
-  stay fp32 (cuDNN and the CPU kernels take them in fp32 for low inputs); layer and group norm
-  on CPU likewise (the CPU kernels take fp32 affine parameters with low data; the CUDA kernels
-  do not, so there weight and bias follow the data);
-* type promotion: a single-group op in ``opkeys.PROMOTING`` is marked ``promotes`` and a value
-  with a dimension ``anchors``, so the core reads the other inputs of such an op for free when it
-  runs fp32 next to an input fixed fp32 (``add(x_fp16, y_fp32)`` upcasts inside the kernel);
-* modules with their own parameters that were not inlined, float scalars outside the low
-  range, tensors written in place, ops whose kernel on the target device lacks the low dtype
-  (``node.meta[NO_LOW_KERNEL]``, probed by ``fx/guards.py``): fixed at their original
-  precision. Exception: the scalar
-  ``±torch.finfo(torch.float32).max``, the "most negative value" sentinel of attention masks,
-  which code written for any dtype spells ``torch.finfo(dtype).min``; an op planned low gets
-  the low dtype's sentinel instead (``apply``), as the model would have built it in that dtype.
+* conversions and factories with a ``dtype`` argument: the input is a free clear group, the
+  output fixed to the dtype the model asked for; ``type_as``: output and second tensor share
+  a group;
+* batch norm (and layer/group norm on CPU): affine parameters and statistics stay fp32;
+* type promotion: an op in ``opkeys.PROMOTING`` ``promotes`` and a value with a dimension
+  ``anchors`` (free reads, decision 0004);
+* non-inlined modules with parameters, float scalars outside the low range, tensors written
+  in place, ops without a low kernel on the device (``NO_LOW_KERNEL``): fixed at their
+  original precision, except the ``±finfo(float32).max`` mask sentinel, which an op planned
+  low gets as the low dtype's sentinel.
 
-Integer, boolean and float64 tensors are not values at all: they are never cast. Casts this
-package inserted earlier (tagged in ``node.meta``) are transparent, so a second run sees the
-original graph and changes nothing.
+Integer, boolean and float64 tensors are never values. Casts this package inserted earlier are
+transparent, so a second run sees the original graph and changes nothing.
 """
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ read only at low precision, insert one Cast per planned (value, dtype), right af
 producer and shared by its consumers, then bypass the model's casts that the retyping turned
 into identities. Constants need no runtime Cast: a converted copy is stored instead. Nodes the
 pass creates carry ``amp_rewrite.inserted`` and a reason in metadata_props; retyped nodes carry
-nothing (their reasons are in the report): on a 50k-node model the annotations made the file
-39% larger and the output check 27% slower.
+nothing (their reasons are in the report, which keeps large files small).
 """
 from __future__ import annotations
 
@@ -76,8 +75,7 @@ def apply_plan(model: ir.Model, view: OnnxView, plan: PrecisionPlan) -> ApplySta
     stats = ApplyStats()
     low_ir = to_ir_dtype(view.low)
     namer = _Namer.of_graphs(view.graphs)
-    # Overflow in a conversion is clamped and counted (``_convert``), never a warning. Set
-    # once here: per call, the errstate context cost a third of converting a small weight.
+    # overflow is clamped and counted by ``_convert``, never a warning
     with np.errstate(over="ignore"):
         _retype_groups(view, plan, low_ir, stats)
         _convert_sources(view, plan, low_ir, stats)
@@ -88,13 +86,9 @@ def apply_plan(model: ir.Model, view: OnnxView, plan: PrecisionPlan) -> ApplySta
 
 
 def _bypass_identity_casts(casts: list[tuple[ir.Node, tuple]], stats: ApplyStats) -> None:
-    """Remove the model's casts that the rewrite retyped into identities (``Cast<to=float>``
-    of a value that now runs low, retyped low for its low readers): a copy and a kernel
-    launch with no numeric effect.
-
-    Casts whose dtypes the rewrite left as they were are not touched, identities included,
-    so a second run removes nothing. A cast that writes a graph output keeps the output.
-    """
+    """Remove the model's casts that the rewrite retyped into identities. Casts the rewrite
+    left as they were are not touched, so a second run removes nothing; a cast that writes
+    a graph output keeps the output."""
     for node, before in casts:
         after = cast_dtypes(node)
         if after[0] != after[1] or after == before or node.outputs[0].is_graph_output():
@@ -149,10 +143,7 @@ def _set_type_attribute(node: ir.Node, name: str, target: ir.DataType) -> None:
 
 
 def _convert(array: np.ndarray, target: ir.DataType) -> tuple[np.ndarray, int]:
-    """Convert to the target dtype, clamping finite values beyond its range; count them.
-
-    Run under ``np.errstate(over="ignore")`` (``apply_plan``): the overflow is handled here.
-    """
+    """Convert to the target dtype, clamping finite values beyond its range; count them."""
     if target == ir.DataType.FLOAT:
         return np.asarray(array, np.float32), 0
     np_dtype = np.float16 if target == ir.DataType.FLOAT16 else ml_dtypes.bfloat16
@@ -194,12 +185,9 @@ def _small_initializers_converted(view: OnnxView,
                                   sources: list[tuple[ir.Value, ir.Node | None]],
                                   low_ir: ir.DataType
                                   ) -> tuple[dict[ir.Value, ir.TensorProtocol], int]:
-    """Small float32 initializers stored as raw bytes (``view.small``, joined once for the
-    range check), converted in one call over the joined array: one call per tensor cost
-    ~40 µs, 0.8 s for the 20k weights of a 50k-node chain. Each result is what ``_convert``
-    + ``_stored_tensor`` give it alone (an elementwise conversion). Empty where any of them
-    overflows: those are clamped and counted tensor by tensor (``_convert``). Also returns
-    how many elements were converted."""
+    """Small float32 raw initializers (``view.small``) converted in one call over the joined
+    array, each as ``_convert`` would alone; empty where any overflows (then each is
+    clamped alone). Also returns how many elements were converted."""
     small = view.small
     if small is None:  # a view not built by build_view
         return {}, 0
@@ -233,11 +221,8 @@ def joined_converted(small: SmallFloat32, picked: list[tuple[Hashable, int, obje
 
 
 def _stored_array(value: ir.Value, node: ir.Node | None) -> bool:
-    """An initializer or a ``Constant(value=...)``; other Constant forms get a runtime Cast.
-
-    An initializer that is also a graph input is only a default the caller may override, so
-    it is cast at run time too: a stored copy would silently ignore the fed value.
-    """
+    """An initializer or a ``Constant(value=...)``; other Constant forms, and initializers
+    that are graph inputs (a default the caller may override), get a runtime Cast."""
     if node is not None:
         return "value" in node.attributes
     return value.const_value is not None and not value.is_graph_input()
@@ -275,9 +260,7 @@ def _converted(view: OnnxView, value: ir.Value, node, target: ir.DataType, name:
 
 def _streams(view: OnnxView, value: ir.Value, node, target: ir.DataType) -> bool:
     """Whether a float16 copy of this weight is converted as the output is written
-    (``convert.Float16Stream``) instead of now: large float32 external data whose range the
-    view checked, so nothing will be clamped (the report's count, 0, is known now; only
-    ±float32 sentinels map to ±65504, chunk by chunk, as ``_convert`` maps them)."""
+    (``convert.Float16Stream``): large float32 external data whose range the view checked."""
     return (node is None and target == ir.DataType.FLOAT16 and not view.clamp_constants
             and value not in view.range_problems and convert.can_stream(value.const_value))
 
@@ -288,12 +271,8 @@ def _clamped_float16(chunk: np.ndarray) -> np.ndarray:
 
 
 def _stored_tensor(array: np.ndarray, name: str | None) -> ir.TensorProtocol:
-    """The converted array as an onnx_ir tensor.
-
-    Small ones are built as TensorProtos: onnx_ir serialises those with one C++ copy, against
-    ~7 µs of Python per numpy-backed ``ir.Tensor``, which made biases and norm weights half
-    the cost of serialising a 50k-node chain. Large ones stay numpy-backed (never copied).
-    """
+    """The converted array as an onnx_ir tensor: small ones as TensorProtos (serialised by
+    one C++ copy), large ones numpy-backed (never copied)."""
     if array.nbytes > SMALL_TENSOR_BYTES or sys.byteorder != "little":  # raw_data is LE
         return ir.Tensor(array, name=name)
     proto = onnx.TensorProto(name=name, dims=array.shape, raw_data=array.tobytes(),

@@ -1,17 +1,9 @@
 """Fast float32 → float16 conversion of stored weights, bit-identical to numpy's ``astype``.
 
-numpy converts to float16 one element at a time (~0.5-0.9 s per 256 MB here). onnxruntime's
-``Cast`` kernel (a dependency of the ONNX adapter already) is vectorised: ~0.04 s for the same
-array, with the same rounding (to nearest even), overflow to ±inf and NaN handling. It runs
-with input and output bound to numpy buffers (``cast_into``), so the session allocates
-nothing; the ±inf check reads the float16 bits (``has_inf``). An earlier version counted the
-infs inside the session (IsInf → Cast to int64 → ReduceSum): the int64 intermediate was 4×
-the input, and allocating it made the conversion ~1.1 s per 256 MB.
-
-Weights stored as external data can skip memory altogether: ``Float16Stream`` is the
-converted tensor as onnx_ir writes it, read from the source file, converted and written in
-bounded chunks (``CHUNK_ELEMENTS``), so neither the float32 nor the float16 copy is ever whole
-in memory.
+numpy converts to float16 one element at a time; onnxruntime's vectorised ``Cast`` has the
+same rounding, overflow and NaN handling, and runs on buffers bound to numpy arrays. External
+weights are converted as they are written (``Float16Stream``), in bounded chunks, so no whole
+copy is ever in memory (decision 0020).
 """
 from __future__ import annotations
 
@@ -30,9 +22,7 @@ from onnx import TensorProto, helper
 from amp_rewrite.errors import ModelError
 
 ORT_MIN_ELEMENTS = 1 << 16  # below this numpy is as fast as a session call
-# Elements per step of a chunked conversion: 16 MB of float32 in, 8 MB of float16 out. Large
-# enough that the per-call cost (~20 µs) vanishes, small enough to stay a bounded buffer.
-CHUNK_ELEMENTS = 1 << 22
+CHUNK_ELEMENTS = 1 << 22  # per chunk: call overhead vanishes, buffers stay bounded
 STREAM_MIN_BYTES = 16 << 20  # external float32 weights from this size are streamed
 # all-ones exponent, zero mantissa: the bits of +inf
 _EXPONENT_BITS = {np.dtype(np.float16): np.uint16(0x7C00),
@@ -53,9 +43,7 @@ def _cast_session():
     onnx.checker.check_model(model, full_check=True)
     options = ort.SessionOptions()
     options.enable_cpu_mem_arena = False  # outputs are bound: the session allocates nothing
-    # One thread, and no spinning after each call: the cast is memory-bound, and a pool
-    # thread spinning between chunks took the core that writing the output needs (writing
-    # 2.1 GB of float16 took 4-11 s next to it, 1.7 s without).
+    # memory-bound: a spinning pool thread would take the core that writes the output
     options.intra_op_num_threads = 1
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return ort.InferenceSession(model.SerializeToString(), options,
@@ -105,18 +93,10 @@ def can_stream(tensor: ir.TensorProtocol | None) -> bool:
 class Float16Stream(ir.LazyTensor):
     """A float32 external tensor stored as float16, converted as it is written.
 
-    ``tofile`` (what ``ir.save`` calls for external data) maps the source file one chunk at
-    a time, converts the chunk with ``cast_into`` into one reused buffer and writes it: the
-    process holds one chunk of each whatever the tensor's size (mapped pages count in its
-    RSS until unmapped). Reading through a mapping rather than ``readinto`` spares a copy:
-    4.25 GB from the page cache took 0.5 s mapped against 2.8 s read here.
-    ``numpy()``/``tobytes()`` (an in-memory proto, validation) build the whole array the same
-    way.
-
-    ``overflow``: how a chunk whose conversion produced ±inf is converted instead (the
-    caller's clamping rule; an elementwise rule gives the same bits chunk by chunk as on the
-    whole array). ``check_inf=False``: the source is known finite and within float16's range,
-    so no chunk can overflow and the check is skipped.
+    ``tofile`` (what ``ir.save`` calls) maps, converts and writes one chunk at a time;
+    ``numpy()``/``tobytes()`` build the whole array the same way. ``overflow``: how a chunk
+    whose conversion produced ±inf is converted instead (the caller's elementwise clamping
+    rule). ``check_inf=False``: the source is known within float16's range.
     """
 
     def __init__(self, source: ir.ExternalTensor, overflow: Callable[[np.ndarray], np.ndarray],

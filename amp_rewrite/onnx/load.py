@@ -19,27 +19,20 @@ from amp_rewrite.errors import ModelError, UsageError, first_line
 from amp_rewrite.runtime import Background
 
 logger = logging.getLogger(__name__)
-# Size assumed for a symbolic dim (batch, sequence) where a value's bytes are estimated for
-# cast costs. Only ratios between values matter to the cut, and most symbolic dims are
-# shared by every activation, so the value is nominal (it weighs activations against static
-# weights; changing it changes plans). Padding, whose decision depends on the absolute size,
-# has its own (``PadPolicy.symbolic_dim_size``), random validation inputs theirs
-# (``validate.RANDOM_FEED_SYMBOLIC_DIM``).
+# Size assumed for a symbolic dim in cast costs: nominal, it only weighs activations against
+# static weights (padding and random validation inputs have their own).
 SYMBOLIC_DIM_EXTENT = 64
 
 
 @dataclass
 class LoadInfo:
-    """What loading learned about a model that its IR does not hold. The defaults describe a
-    model nothing is known about (an ``ir.Model`` handed in): every fact is looked up again."""
+    """What loading learned about a model that its IR does not hold; the defaults: nothing."""
 
     source: Path | None = None  # the file the model was loaded from
     external_files: list[Path] | None = None  # data files read at load (None: not recorded)
     had_external_data: bool = False  # some main-graph initializer is stored externally
     flat: bool = False  # no node held a graph attribute at load (no pass of ours adds one)
-    # every node output had a dtype after loading (``passes.infer_missing_types`` has
-    # nothing to add then); only for flat models
-    typed: bool = False
+    typed: bool = False  # flat, and every node output had a dtype after loading
     untyped: set[ir.Value] = field(default_factory=set)  # node outputs the file left untyped
     # value name -> fp32 bytes from shape inference, for values the file gives no shape
     inferred_sizes: dict[str, int | None] = field(default_factory=dict)
@@ -53,9 +46,8 @@ class LoadedModel:
 
 
 class _OneLine(logging.Filter):
-    """onnx_ir's shape inference logs its failures at WARNING with the traceback (exc_info),
-    which the CLI would print; ours ignore such a failure (shapes stay unknown), so the
-    record becomes one INFO line."""
+    """onnx_ir's shape-inference failures (ignored: shapes stay unknown) as one INFO line,
+    not a WARNING with a traceback."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info:
@@ -70,24 +62,17 @@ class _OneLine(logging.Filter):
 logging.getLogger("onnx_ir.passes.common.shape_inference").addFilter(_OneLine())
 
 def model_graphs(model: ir.Model, flat: bool = False) -> list[ir.Graph]:
-    """The model's graph and subgraphs: ``walk_graphs``, skipped for a model that had no
-    subgraph at load (``LoadInfo.flat``; no pass of ours creates one). Each walk costs
-    ~0.035 s at 50k nodes, and a rewrite needs the list in five places."""
+    """The model's graph and subgraphs; no walk for a model ``LoadInfo.flat`` at load."""
     if flat:
         return [model.graph]
     return list(walk_graphs(model.graph))
 
 
 def walk_graphs(graph: ir.Graph) -> Iterator[ir.Graph]:
-    """The graph and every subgraph, outer before inner.
-
-    ``Model.graphs()`` does the same through onnx_ir's generic node traversal at twice the
-    cost: 0.07 s against 0.035 s per call on a 50k-node model.
-    """
+    """The graph and every subgraph, outer before inner (``Model.graphs()``, cheaper)."""
     yield graph
     for node in graph:
-        # onnx_ir's Attributes is a UserDict: its own len() and values() go through
-        # collections.abc per item, 3x the cost of the dict it wraps (``data``).
+        # the dict behind onnx_ir's UserDict: its own len()/values() are slow
         attrs = getattr(node.attributes, "data", node.attributes)
         if not attrs:
             continue
@@ -155,12 +140,8 @@ def check_input_path(source: str | os.PathLike) -> Path:
 
 
 def _inline_local_functions(proto: onnx.ModelProto, label: str) -> onnx.ModelProto:
-    """Calls of model-local functions replaced by their bodies (a new proto).
-
-    Precision is decided per call site, and a function body is shared by all its calls, so
-    without inlining every op inside would stay fp32 behind an opaque custom op. ONNX's C++
-    inliner touches only nodes; initializers, external ones included, are left as they are.
-    """
+    """Calls of model-local functions replaced by their bodies (a new proto): precision is
+    decided per call site, and a shared body would stay fp32 behind an opaque op."""
     if not proto.functions:
         return proto
     logger.info("inlining %d model-local functions", len(proto.functions))
@@ -172,12 +153,9 @@ def _inline_local_functions(proto: onnx.ModelProto, label: str) -> onnx.ModelPro
 
 
 def _loaded(proto: onnx.ModelProto, label: str, path: Path | None = None) -> LoadedModel:
-    """The checked (or repaired), inlined proto in onnx_ir, with inferred facts.
-
-    The checker and shape inference read only the proto: on a large model they run on the
-    other core (``Background``) while onnx_ir loads the same proto here (0.4 of 1.1 s at 50k
-    nodes). A model the checker refuses, or with functions to inline, takes the serial path.
-    """
+    """The checked (or repaired), inlined proto in onnx_ir, with inferred facts. On a large
+    model the checker and shape inference run in the ``Background`` while onnx_ir loads;
+    a model the checker refuses, or with functions to inline, takes the serial path."""
     if proto.functions or len(proto.graph.node) < BACKGROUND_NODES:
         return _loaded_serially(proto, label, path)
     job = Background(_checked_and_inferred, proto, label, path)
@@ -220,8 +198,7 @@ def _from_proto(proto: onnx.ModelProto, label: str,
                          f"{first_line(cause)}); check the exporter's output") from None
     graphs = list(walk_graphs(model.graph))  # one walk for the three steps
     _scan_nodes(model, label, graphs)
-    # Without subgraphs in the IR there are none in the proto: its node walk (protobuf
-    # fields read from Python, ~0.1 s per walk at 50k nodes) is skipped.
+    # without subgraphs in the IR there are none in the proto: skip its (slow) node walk
     nested = len(graphs) > 1
     info = LoadInfo(had_external_data=had_external_data(model), flat=not nested,
                     described=_value_info_names(proto.graph, nested))
@@ -230,8 +207,7 @@ def _from_proto(proto: onnx.ModelProto, label: str,
 
 
 TORCH_SUFFIXES = (".pt", ".pth", ".ckpt")
-# Attributes whose int is a TensorProto.DataType (Cast, CastLike's saturate aside,
-# SequenceEmpty, EyeLike, RandomNormal*, Multinomial, Bernoulli, ...).
+# attributes (of ``DTYPE_OPS``) whose int is a TensorProto.DataType
 DTYPE_ATTRIBUTES = frozenset({"to", "dtype"})
 
 
@@ -242,11 +218,9 @@ def text(raw: str | bytes) -> str:
 
 
 def _scan_nodes(model: ir.Model, label: str, graphs: list[ir.Graph]) -> None:
-    """One walk over the nodes: text fields repaired (``_repair_fields``: the pass matches
-    node names against --keep-fp32 globs) and dtype attributes checked
-    (``_check_type_attribute``). Value names and metadata are repaired only if serialising
-    fails (``to_proto``): checking every value on every load cost more than the rare repair
-    (and reading ``metadata_props`` allocates a dict per object)."""
+    """One walk over the nodes: node text fields repaired (--keep-fp32 globs match names),
+    dtype attributes and Constant sizes checked. Value names and metadata are repaired
+    only if serialising fails (``repair_all_text``)."""
     count = _repair_fields(model, ("producer_name", "producer_version", "domain", "doc_string"))
     for g in graphs:
         count += _repair_fields(g, ("name", "doc_string"))
@@ -297,7 +271,6 @@ def _repair_fields(obj, fields: tuple[str, ...]) -> int:
     return count
 
 
-# Ops with an int attribute that must be a TensorProto.DataType.
 DTYPE_OPS = frozenset({"Cast", "SequenceEmpty", "EyeLike", "RandomNormal", "RandomUniform",
                        "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli",
                        "TreeEnsemble"})
@@ -341,10 +314,8 @@ def _whole_bytes(dtype: ir.DataType) -> bool:
 
 def _check_tensors(proto: onnx.ModelProto, label: str, path: Path | None) -> set[str]:
     """One pass over the initializers: raw_data holds exactly what dims and type need (the
-    checker refuses only too-short data; 258 bytes for an 8x8 float failed deep in the
-    rewrite with a bare numpy error), and external data lies inside its file
-    (``_check_extent``). Returns the external data files' locations. Constant values are
-    checked in the node walk (``_check_constant_size``)."""
+    checker refuses only too-short data), and external data lies inside its file. Returns
+    the external data files' locations."""
     external = set()
     sizes: dict[str, int] = {}
     for t in proto.graph.initializer:
@@ -428,15 +399,9 @@ def _subgraph_protos(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
 
 def _add_inferred_facts(info: LoadInfo, facts: Callable[[], dict[str, TensorFact] | str],
                         graphs: list[ir.Graph]) -> None:
-    """Dtypes and sizes for values the model does not describe, from ONNX shape inference
-    (``facts``: ``_inferred_facts`` of the loaded proto).
-
-    Cast costs are bytes, so values need sizes. Inference reads only initializer dims, never
-    external data, and is waited for only when some node output has no recorded type. The
-    inferred dtypes go onto the IR values; the sizes go to ``info.inferred_sizes``
-    instead of value shapes, because parsing and re-serialising 50k inferred shapes doubled
-    the cost of the onnx_ir round trip.
-    """
+    """Dtypes (onto the IR values) and sizes (to ``info.inferred_sizes``, not value shapes,
+    which would be re-serialised) from shape inference, for values the model does not
+    describe; ``facts`` is waited for only when some node output has no type."""
     undescribed = [v for g in graphs for node in g for v in node.outputs
                    if v.name and (v.type is None or v.shape is None)]
     untyped = {v for v in undescribed if v.type is None}
@@ -470,8 +435,7 @@ def _inferred_facts(proto: onnx.ModelProto) -> dict[str, TensorFact] | str:
     return _tensor_facts(inferred.graph, {})
 
 
-# Below this many nodes checking and inference take a few ms: a fork costs more than it saves.
-BACKGROUND_NODES = 4096
+BACKGROUND_NODES = 4096  # below it a fork costs more than checking saves
 
 TensorFact = tuple[ir.DataType, int | None]
 _KNOWN_ELEM_TYPES = frozenset(int(d) for d in ir.DataType)  # (dtype, bytes in fp32 or None)
@@ -479,12 +443,8 @@ _KNOWN_ELEM_TYPES = frozenset(int(d) for d in ir.DataType)  # (dtype, bytes in f
 
 def _tensor_facts(graph: onnx.GraphProto, by_type: dict[bytes, TensorFact | None],
                   nested: bool = True) -> dict[str, TensorFact]:
-    """name -> fact for every inferred tensor, subgraphs included.
-
-    Facts are parsed once per distinct TypeProto (``by_type``, keyed by its bytes): models
-    repeat a few types thousands of times, and reading protobuf fields from Python costs
-    ~0.2 µs each, so parsing every value_info took 0.2 s on a 50k-node chain.
-    """
+    """name -> fact for every inferred tensor, subgraphs included; parsed once per distinct
+    TypeProto (``by_type``), as models repeat a few types thousands of times."""
     facts = {}
     for vi in graph.value_info:
         key = vi.type.SerializeToString()
@@ -539,15 +499,9 @@ def _check_input(model: onnx.ModelProto | Path, label: str) -> None:
 
 
 def release(model: ir.Model, flat: bool = False) -> bool:
-    """Unlink an IR that will not be used again, so reference counting frees it at once.
-
-    onnx_ir links nodes, values, graphs and the boxes of its node lists both ways, so a
-    dropped model is ~15 cyclic objects per node that only the cyclic collector frees: ~1 s
-    for a 50k-node chain, a fifth of the rewrite. Unlinked, plain deallocation takes a quarter
-    of that. The links are onnx_ir's private slots (1.x); should they change, this stops at
-    the first missing one, returns False, and the collector frees the rest as before. Either
-    way ``model`` is unusable afterwards.
-    """
+    """Unlink an IR that will not be used again, so reference counting frees it at once
+    instead of the cyclic collector (decision 0003). Uses onnx_ir's private slots: should
+    they change, returns False and the collector frees the rest. ``model`` is unusable after."""
     try:
         for graph in model_graphs(model, flat):  # listed first: unlinking stops the walk
             unlink_graph(graph)
@@ -558,9 +512,7 @@ def release(model: ir.Model, flat: bool = False) -> bool:
 
 
 def unlink_graph(graph: ir.Graph) -> None:
-    # Cut every cycle once: node <-> its outputs (producer), node <-> its inputs (uses),
-    # node <-> its graph and its attribute map, graph <-> its I/O values and containers,
-    # and the list boxes (each pair of neighbours, the root, the id map).
+    # cut every cycle once: node <-> values, graph, attributes; graph <-> I/O; list boxes
     nodes = graph._nodes
     for node in nodes:
         node._inputs = node._outputs = ()

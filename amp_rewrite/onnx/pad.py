@@ -1,24 +1,15 @@
 """Pad low-precision GEMM/conv dims to multiples of 8 in an onnx_ir model (DESIGN §4), in place.
 
-Runs after ``apply``: an op is low when its output is float16/bfloat16. Steps: build the core's
-pad graph from the main graph (``MatMul``, ``Gemm``, ``Conv`` and the finite-safe pointwise
-ops of ``_POINTWISE``), plan (``core.padding``), then give every read the layout the plan
-asks for:
+Runs after ``apply``: builds the core's pad graph from the main graph, plans
+(``core.padding``), then gives every read the layout the plan asks for:
 
-* a weight initializer read padded is padded once, at rewrite time; it is padded in place
-  when every other reader is a ``Gather`` indexing the padded axis (tied embeddings: the
-  gather never reads the new rows), else a padded copy is stored;
-* an activation read padded but produced unpadded gets one ``Pad`` per (value, layout);
-* a value produced padded but read unpadded (by an op outside the region, a subgraph or a
-  graph output) gets one ``Slice``; graph outputs keep their names and shapes.
+* a weight initializer is padded once, in place when every other reader is a ``Gather`` of
+  the padded axis (tied embeddings), else as a padded copy;
+* an activation read padded but produced unpadded: one ``Pad`` per (value, layout);
+* a value produced padded but read unpadded: one ``Slice``; graph outputs keep their shapes.
 
-A symbolic dim named by a graph input (``dim_param``) is padded by a runtime amount,
-``(m − d % m) % m`` computed with Shape/Gather/Mod/Sub from the value being padded, and
-sliced back to the graph input's size (Shape of that input): exact for every runtime size.
-Symbolic dims no graph input names are treated as unknown (not padded). Whether padding a
-dim pays is the core's cost model (it assumes ``PadPolicy.symbolic_dim_size`` for symbols).
-Subgraph bodies are not padded.
-A second run finds every padded dim aligned and changes nothing.
+A symbolic dim named by a graph input is padded by a runtime amount (Shape/Gather/Mod/Sub);
+other symbolic dims are not padded, nor are subgraphs. A second run changes nothing.
 """
 from __future__ import annotations
 
@@ -67,11 +58,8 @@ class PadStats:
 
 def pad_model(model: ir.Model, policy: PadPolicy | None = None,
               low: tuple[ir.DataType, ...] = _LOW) -> PadStats:
-    """Plan and apply padding to ``model``'s main graph (module docstring).
-
-    ``low``: output dtypes that make a GEMM/conv eligible (tests pass FLOAT to pad an FP32
-    graph and compare it with the unpadded one at fp32 rounding).
-    """
+    """Plan and apply padding to ``model``'s main graph; ``low``: output dtypes that make a
+    GEMM/conv eligible."""
     stats = PadStats(plan=PaddingPlan.empty(policy))
     if model.opset_imports.get("", 0) < MIN_OPSET:
         logger.info("padding skipped: opset < %d", MIN_OPSET)
@@ -105,12 +93,8 @@ def _low_gemms(graph: ir.Graph, low: tuple[ir.DataType, ...]) -> list[ir.Node]:
 
 
 def _misaligned_weights(gemms: list[ir.Node], multiple: int) -> bool:
-    """Whether some low GEMM/conv has a weight with a misaligned static K/N/channel dim.
-
-    Without ``pad_activation_gemms`` only GEMMs/convs with a constant operand are padded,
-    and a weight holds every padded dim (K and N; a conv's channels), so this cheap look at
-    initializer shapes decides whether planning can find anything.
-    """
+    """Whether some low GEMM/conv has a weight with a misaligned static K/N/channel dim: a
+    cheap look that decides, without ``pad_activation_gemms``, whether planning can pad."""
     for n in gemms:
         for w in n.inputs[:2]:
             if w is not None and w.shape is not None and is_constant(w) and len(w.shape) >= 2:

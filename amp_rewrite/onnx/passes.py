@@ -39,8 +39,7 @@ class OnnxOptions:
     # value name -> observed max |x| from calibration, already above the threshold
     pinned_values: Mapping[str, float] = field(default_factory=dict)
     savings_weight: float = 0.0  # β: see amp_rewrite.core.placement.place
-    # Store constants beyond the low dtype's range clamped (and run their readers low), as
-    # before issue 17; off by default: such constants keep their readers in fp32.
+    # store constants beyond the low dtype's range clamped (decision 0010: off by default)
     clamp_constants: bool = False
     pad: bool = True  # pad low GEMM/conv dims to multiples of 8 (onnx/pad.py)
     pad_policy: PadPolicy | None = None  # None: core.padding.PadPolicy()
@@ -280,12 +279,8 @@ def _infer_graph(graph: ir.Graph, opsets: dict[str, int]) -> None:
 
 
 def _forget_load_time_types(untyped: set[ir.Value]) -> None:
-    """Node outputs the input left untyped go back to untyped, and so do casts of them.
-
-    The pass needs every dtype, so loading infers them; writing them all out as value_info
-    made serialising and checking a 50k-node output 14% slower, for information any runtime
-    infers again. The output describes its values as much as the input did.
-    """
+    """Node outputs the input left untyped go back to untyped, and so do casts of them: the
+    output describes its values as much as the input did."""
     if not untyped:
         return
     casts = [u.node.outputs[0] for v in untyped for u in v.uses()

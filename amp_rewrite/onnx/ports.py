@@ -1,12 +1,9 @@
 """Schema-aware port groups: which ports of an ONNX node must share a dtype, and may go low.
 
-DESIGN §2: the unit of painting is the (node, type variable) pair. We read the node's schema
-from ``onnx.defs`` at the model's opset, bind each actual input/output to its formal parameter
-(variadic parameters take the rest), and group floating ports by type variable. Type variables
-of one node are then merged into one group, because runtime kernels are registered for tied
-types (ORT's fp16 BatchNormalization takes fp16 scale and mean) — except for ops whose type
-variables are independent by design (Cast, EyeLike, ...), and statistics outputs that runtimes
-keep in fp32 (LayerNormalization's ``U``).
+DESIGN §2: the unit of painting is the (node, type variable) pair, bound from the node's
+``onnx.defs`` schema at the model's opset. A node's type variables are merged into one group,
+as runtime kernels are registered for tied types, except for ops whose type variables are
+independent by design (Cast, EyeLike, ...) and statistics outputs runtimes keep in fp32.
 """
 from __future__ import annotations
 
@@ -99,11 +96,7 @@ def signature(node: ir.Node, opset: int, low: LowDtype) -> tuple:
 
 def port_groups(node: ir.Node, opset: int, low: LowDtype,
                 key: tuple | None = None) -> tuple[PortGroup, ...]:
-    """Group the node's candidate ports; see module docstring.
-
-    The answer depends only on the node's ``signature`` (``key``, if the caller has it), so
-    it is cached by it: large models repeat a few dozen signatures thousands of times.
-    """
+    """Group the node's candidate ports (module docstring), cached by ``signature``."""
     if key is None:
         key = signature(node, opset, low)
     cached = _CACHE.get(key)
@@ -194,12 +187,8 @@ def to_ir_dtype(low: LowDtype) -> ir.DataType:
 
 
 def infer_output_dtypes(node: ir.Node, opset: int) -> bool:
-    """Give untyped outputs the dtype their schema ties to a typed input (or attribute).
-
-    A cheap, dtype-only stand-in for ONNX shape inference, which serialises the whole model
-    (weights included) and costs seconds and gigabytes on large models. Returns False when an
-    output stays unknown.
-    """
+    """Give untyped outputs the dtype their schema ties to a typed input (or attribute): a
+    cheap, dtype-only stand-in for shape inference. False when an output stays unknown."""
     untyped = [(i, v) for i, v in enumerate(node.outputs) if v.name and v.type is None]
     if not untyped:
         return True

@@ -1,11 +1,8 @@
 """``onnx.reference`` kernels for the onnxruntime contrib ops the fusion step can emit.
 
-``onnx.reference.ReferenceEvaluator`` runs every standard op in its declared dtype, which is
-how validation sees true fp16/bf16 rounding; it knows no contrib op. Each kernel here follows
-the onnxruntime kernel it stands for: inputs are read in their declared dtype, the arithmetic
-runs in float32 (ORT's fp16/bf16 kernels accumulate in fp32 registers), and every output is
-rounded once to its declared dtype, so a fused op's result carries exactly the rounding the
-runtime's does.
+Each follows the onnxruntime kernel it stands for: inputs read in their declared dtype,
+arithmetic in float32, every output rounded once to its declared dtype, so validation sees
+the runtime's rounding.
 """
 from __future__ import annotations
 
@@ -79,12 +76,8 @@ def _layer_norm(v: np.ndarray, epsilon: float, simplified: bool):
 
 
 class _OmitsOutputs(OpRun):
-    """Base of kernels with optional outputs that a node may omit (empty output name).
-
-    The evaluator stores every result under its output name; a result stored under "" would
-    be read as the omitted optional input of the next node that has one. ``run`` (after
-    OpRun's own checks) hands back None there, which is what "" means to the evaluator.
-    """
+    """Base of kernels with optional outputs a node may omit (empty name): ``run`` hands
+    back None there, else the result would be read as the next omitted optional input."""
 
     def run(self, *args, **kwargs):
         outputs = super().run(*args, **kwargs)

@@ -1,9 +1,5 @@
-"""Repairs of inputs that runtimes run but the ONNX checker rejects.
-
-Exporters leave graph outputs (If branches', bodies', even the main graph's) without a type;
-onnxruntime infers them, the checker refuses the model. ONNX shape inference recovers the
-types; only the missing output types are copied back (the inferred value_info of every
-intermediate stays out: the model is described as much as it was, no more).
+"""Repairs of inputs that runtimes run but the ONNX checker rejects: graph outputs without a
+type get the type shape inference recovers, and nothing else of its value_info.
 """
 from __future__ import annotations
 

@@ -59,12 +59,9 @@ def check_writable_file(path: str | os.PathLike, flag: str) -> None:
 
 def check_path_conflicts(reads: Mapping[str, Iterable[str | os.PathLike]],
                          writes: Mapping[str, str | os.PathLike]) -> None:
-    """No file the run writes is one it reads, nor another file it writes (symlinks, hard
-    links and relative paths resolved): exit 2 before anything is written.
-
-    ``reads``: label -> paths (the model, its external-data files, calibration data, rule
-    files); ``writes``: label -> path (-o, --report).
-    """
+    """No file the run writes is one it reads, nor another file it writes (links and
+    relative paths resolved): exit 2 before anything is written. ``reads``: label -> paths;
+    ``writes``: label -> path."""
     read_ids = {_identity(Path(p)): (label, p) for label, paths in reads.items() for p in paths}
     written: dict[tuple, str] = {}
     for label, path in writes.items():
@@ -127,12 +124,8 @@ def needs_external_data(model: ir.Model, had_external: bool) -> bool:
 
 @contextlib.contextmanager
 def initializers_undescribed(model: ir.Model, info: LoadInfo) -> Iterator[None]:
-    """While serialising, initializers get no value_info unless the input gave them one.
-
-    onnx_ir writes a value_info for every typed initializer, although the tensor holds its
-    dtype and shape: 25k redundant entries on a 50k-node chain, ~0.15 s to write and ~0.1 s
-    to check. The types are cleared only for the duration; the IR keeps them.
-    """
+    """While serialising, initializers get no (redundant) value_info unless the input gave
+    them one; the IR keeps its types."""
     described = info.described
     cleared = [(v, v.type, v.shape) for g in model_graphs(model, info.flat)
                for v in g.initializers.values()
@@ -170,11 +163,9 @@ def save_model(model: ir.Model, info: LoadInfo, output: str | os.PathLike,
     """Write ``model`` with its weights in a data file beside it, committed as a pair.
 
     The data file's name is new for each write (``OUTPUT.<token>.data``), so replacing the
-    model file is the single commit: a run killed before it leaves the old model with its old
-    weights, one killed after it the new pair. Data files of earlier writes to ``output`` go
-    only after the commit, except those in ``keep`` (files the run reads). The file is checked
-    by path before the commit (in memory the model may be too large for protobuf), so an
-    invalid model never lands at ``output``.
+    model file is the single commit (decision 0009). Data files of earlier writes to
+    ``output`` go after the commit, except those in ``keep`` (files the run reads). The file
+    is checked before the commit, so an invalid model never lands at ``output``.
     """
     out = Path(output)
     data_name = f"{out.name}.{secrets.token_hex(4)}{DATA_SUFFIX}"
@@ -218,11 +209,9 @@ TEMP_PREFIX = ".amp_rewrite_tmp-"  # + pid + "-" + random: see remove_stale_temp
 
 def _commit(tmp_model: Path, out: Path, data_name: str | None,
             keep: Iterable[str | os.PathLike]) -> None:
-    """Replace ``out`` by ``tmp_model`` (one rename), then remove data files of ours that
-    nothing references any more: the replaced model's at once, orphans of a run killed
-    between its two renames once they are an hour old (a younger one may be a concurrent
-    write's, not yet committed). Files the run reads (``keep``) always stay; ``data_name``
-    is the new model's own data file (None: weights inline)."""
+    """Replace ``out`` by ``tmp_model`` (one rename), then remove data files of ours nothing
+    references: the replaced model's at once, orphans once an hour old (a younger one may
+    be a concurrent write's). ``keep`` always stays; ``data_name``: the new data file."""
     ours = [p for p in _our_data_files(out) if p.name != data_name]
     if not ours:  # the common case: nothing to clean, no need to read the replaced model
         os.replace(tmp_model, out)

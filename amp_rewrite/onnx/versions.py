@@ -1,9 +1,7 @@
 """IR and opset versions of the output: loadable by the installed runtime, no newer than needed.
 
-onnx 1.23's ``make_model`` stamps IR 14 on every model, which onnxruntime 1.31 refuses to load
-although nothing in the model needs it. The IR version a model needs follows from its opset
-imports (``onnx.helper.find_min_ir_version_for``) and from the element types it uses (float8
-came with IR 9, 4-bit integers with IR 10, float4 with IR 11, float8e8m0 with IR 12).
+``make_model`` may stamp an IR version the runtime refuses although nothing needs it; the IR a
+model needs follows from its opset imports and element types (decision 0013).
 """
 from __future__ import annotations
 

@@ -39,19 +39,16 @@ class OnnxView:
     groups: dict[tuple, tuple[ir.Node, PortGroup]] = field(default_factory=dict)
     sources: dict[tuple, tuple[ir.Graph, ir.Value, ir.Node | None]] = field(default_factory=dict)
     sinks: dict[tuple, tuple[ir.Graph, int]] = field(default_factory=dict)
-    # The model's own Cast/CastLike nodes with their (input, output) dtypes before the rewrite
-    # (``apply`` removes those the rewrite changes into identities).
+    # the model's own Cast/CastLike nodes -> (input, output) dtypes before the rewrite
     model_casts: list[tuple[ir.Node, tuple]] = field(default_factory=list)
-    # Control-flow ties (``ports.Tie``) and the bodies whose boundary they cover: those
-    # bodies' inputs and outputs are no sources or sinks, the tie carries them.
+    # control-flow ties and the bodies whose boundary they carry (no sources or sinks there)
     ties: dict[tuple, tuple[ir.Node, Tie]] = field(default_factory=dict)
     tied_bodies: set[int] = field(default_factory=set)  # id() of ir.Graph
     # Constants the low dtype cannot hold -> why (their readers run high; no clamp).
     wide_values: dict[ir.Value, str] = field(default_factory=dict)
     clamp_constants: bool = False
     range_problems: dict[ir.Value, str] = field(default_factory=dict)  # see _range_problems
-    # Large float32 constants seen finite and within the low dtype's range: converting them
-    # cannot overflow, so the streamed conversion skips its ±inf check (apply._streams).
+    # large float32 constants seen within the low dtype's range: no ±inf check when streamed
     in_range: set[ir.Value] = field(default_factory=set)
     small: SmallFloat32 | None = None  # small raw float32 constants, joined (_small_float32)
     opsets: dict[str, int] = field(default_factory=dict)  # the model's opset imports
@@ -74,8 +71,8 @@ def build_view(model: ir.Model, low: LowDtype, *, keep_io_types: bool = True,
                inferred_sizes: Mapping[str, int | None] | None = None) -> OnnxView:
     """The precision view of ``model``; ``graphs``: ``walk_graphs(model.graph)`` if given.
 
-    ``clamp_constants``: constants beyond the low dtype's range may be stored clamped (the
-    old behaviour, on request only); by default they stay fp32 and so do their readers.
+    ``clamp_constants``: constants beyond the low dtype's range may be stored clamped; by
+    default they stay fp32 and so do their readers (decision 0010).
     ``low_io``: name patterns (fnmatch) of main-graph inputs/outputs fixed low (a KV cache).
     ``inferred_sizes``: fp32 bytes of values without a shape (``LoadInfo.inferred_sizes``).
     """
@@ -117,8 +114,7 @@ def _add_values(view: OnnxView, g: ir.Graph, low_ir: ir.DataType,
 
 
 # Ops whose output holds exactly the elements of their first input: an output without a shape
-# (fusions create such values) costs what the input costs, not one unit; else the min cut
-# casts K after a head-repeat Expand → Reshape → Transpose chain instead of before it.
+# (fusions create such values) costs what the input costs, not one unit.
 _SAME_SIZE_OPS = frozenset({"Transpose", "Reshape", "Identity", "Squeeze", "Unsqueeze",
                             "Flatten"})
 
@@ -133,8 +129,7 @@ def _moved_size(graph: PrecisionGraph, v: ir.Value) -> int | None:
 
 def _if_output_sizes(graphs: list[ir.Graph], inferred) -> dict[ir.Value, int]:
     """Sizes for If outputs and branch outputs that shape inference left unknown, from the
-    other side of the If: they are one tensor. Without them a branch output costs one unit
-    against the If output's real size, and the cut casts inside every branch."""
+    other side of the If (they are one tensor), so the cut does not cast inside branches."""
     sizes: dict[ir.Value, int] = {}
     if len(graphs) == 1:
         return sizes  # an If always brings its branches along
@@ -211,7 +206,6 @@ def _add_node(view: OnnxView, node: ir.Node, opset: int, low_ir: ir.DataType) ->
     if not groups:
         return
     if op_type in CAST_OPS and domain == "":
-        # Only casts are ever tagged; asking every node would give each an empty metadata dict.
         if op_type == "Cast" and INSERTED_TAG in node.metadata_props:
             groups = _tagged(node, groups, low_ir)
         else:
@@ -227,8 +221,7 @@ def _add_node(view: OnnxView, node: ir.Node, opset: int, low_ir: ir.DataType) ->
                   inputs=[inputs[i] for i in pg.inputs], outputs=[outputs[o] for o in pg.outputs])
 
 
-# signature (ports.signature) -> ((port group, fixed, reason), ...): the fix depends on the
-# group and its ports' dtypes only, which the signature holds.
+# ports.signature -> ((port group, fixed, reason), ...)
 _FIXED_GROUPS: dict[tuple, tuple[tuple[PortGroup, Precision | None, str], ...]] = {}
 
 
@@ -316,10 +309,8 @@ def _wide(view: OnnxView, value: ir.Value, tensor) -> str | None:
 
 @dataclass
 class SmallFloat32:
-    """Small float32 constants stored as raw bytes (biases, norm weights, most weights of a
-    long chain), their elements joined end to end: the range check (``_range_problems``)
-    and the conversion (``apply``) each run once over all of them. One numpy call per
-    tensor cost 1.3 s at 33k initializers."""
+    """Small float32 constants stored as raw bytes, joined end to end, so the range check
+    and the conversion (``apply``) each run once over all of them."""
 
     values: list[ir.Value]
     data: np.ndarray  # float32
@@ -353,11 +344,7 @@ def _small_float32(graphs: list[ir.Graph]) -> tuple[SmallFloat32, list[tuple[ir.
 def _range_problems(small: SmallFloat32, others: list[tuple[ir.Value, object]], low: LowDtype,
                     in_range: set[ir.Value]) -> dict[ir.Value, str]:
     """``range_problem`` of every float32 initializer and ``Constant(value=...)``; large
-    ones that fit go to ``in_range``.
-
-    The small ones are screened together: one max|x| per tensor over the joined array, the
-    full check only for the few that come near a limit.
-    """
+    ones that fit go to ``in_range``. Small ones are screened together (one max|x| each)."""
     problems: dict[ir.Value, str] = {}
     for value, tensor in others:
         try:
@@ -394,14 +381,9 @@ _ADDEND_PORTS = {("", "Add"): {0, 1}, ("", "Sub"): {0, 1}, ("", "Conv"): {2},
 
 
 def only_summed(value: ir.Value) -> bool:
-    """Whether every reader adds ``value`` into a sum (a bias), and it is no graph output.
-
-    Flushing a subnormal addend to fp16 moves the sum by at most half fp16's smallest
-    subnormal step (2**-25), no more than the low sum's own rounding, so underflow there is
-    no reason to keep the reader fp32 (folded-BatchNorm conv biases of 1e-10..1e-6 kept 17
-    MobileNetV2 convs fp32, with a cast in and out each). Gemm's C is left out: its beta
-    scales it.
-    """
+    """Whether every reader adds ``value`` into a sum (a bias), and it is no graph output:
+    flushing a subnormal addend moves the sum no more than the low sum's own rounding
+    (decision 0018). Gemm's C is left out: its beta scales it."""
     uses = list(value.uses())
     if not uses or value.is_graph_output():
         return False
@@ -433,9 +415,8 @@ SMALL_TENSOR_BYTES = 1 << 16  # see apply._stored_tensor
 
 
 def small_float32_bytes(tensor) -> bytes | None:
-    """The raw little-endian bytes of a small float32 tensor stored as a TensorProto (see
-    ``apply._stored_tensor``), or None. The element count comes from the proto's dims:
-    onnx_ir's shape is slow."""
+    """The raw little-endian bytes of a small float32 tensor stored as a TensorProto, or
+    None (the element count from the proto's dims: onnx_ir's shape is slow)."""
     if not isinstance(tensor, ir.serde.TensorProtoTensor) or sys.byteorder != "little":
         return None
     proto = tensor.raw
@@ -456,9 +437,8 @@ _LIMITS = {low: (float(info.max), float(info.smallest_subnormal)) for low, info 
     (LowDtype.BFLOAT16, ml_dtypes.finfo(ml_dtypes.bfloat16)))}
 
 
-# float32's extremes: what exporters write for -inf (HF's ``torch.finfo(float32).min`` in
-# attention masks). Stored as the low dtype's extreme (fp16 -65504) they keep their meaning,
-# exp(-65504 - s) is 0 like exp(-3.4e38 - s), so they are no reason to keep readers fp32.
+# float32's extremes, what exporters write for -inf in attention masks: stored as the low
+# dtype's extreme they keep their meaning (exp(-65504 - s) is 0 too).
 FLOAT32_SENTINEL = float(np.finfo(np.float32).max)
 
 
@@ -470,12 +450,10 @@ def only_sentinels_beyond(array: np.ndarray, limit: float) -> bool:
 
 
 def range_problem(array: np.ndarray, low: LowDtype, *, addend: bool = False) -> str | None:
-    """Why ``array`` (float32) does not fit the low dtype, or None.
-
-    It does not fit when a finite value exceeds the dtype's range (it would be clamped or
-    become Inf), unless all such values are ±float32's extreme (mask sentinels), or when values significant within the tensor (within 2**-10 of its largest)
-    fall so deep into the subnormals that converting loses more than 1/8 of them. An
-    ``addend`` (``only_summed``) is judged on its range alone: its underflow is harmless.
+    """Why ``array`` (float32) does not fit the low dtype, or None: a finite value beyond
+    its range (unless all such are ±float32's extreme, mask sentinels), or values within
+    2**-10 of its largest so deep in the subnormals that converting loses more than 1/8 of
+    them. An ``addend`` (``only_summed``) is judged on its range alone.
     """
     if array.dtype != np.float32 or array.size == 0:
         return None

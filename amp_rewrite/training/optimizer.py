@@ -27,13 +27,9 @@ from amp_rewrite.training.scaler import LossScaler
 
 class StepResult:
     """What ``AmpOptimizer.step()`` did: truthy when the optimizer stepped, falsy when the step
-    was skipped for Inf/NaN gradients.
-
-    Why not a plain bool: a fused optimizer (``Adam(fused=True)``...) decides the skip on the
-    device, and turning that flag into a bool is a host synchronisation. Measured on an H200,
-    ``step()`` returning ``bool`` synchronised every training step (``set_sync_debug_mode``);
-    now the flag is read only when the result is used as a bool, so a loop that ignores it
-    never waits for the device. ``found_inf`` is the device flag itself (> 0: skipped).
+    was skipped for Inf/NaN gradients. Not a bool, because a fused optimizer decides the skip
+    on the device: the flag is read only when the result is used as a bool. ``found_inf`` is
+    the device flag itself (> 0: skipped).
     """
 
     __slots__ = ("_stepped", "found_inf")

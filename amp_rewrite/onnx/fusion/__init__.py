@@ -1,18 +1,11 @@
 """Pattern fusion before the precision plan (DESIGN §4): spelled-out chains → fused ops.
 
-A LayerNorm, an RMSNorm or a GELU written as primitive ops contains deny ops (Pow,
-Reciprocal, ...) and so becomes an fp32 island with a cast on each side. Their fused kernels
-compute the statistics in fp32 registers and can run with low-precision I/O, so the step
-replaces the chains first and the plan then sees one fused op per chain.
-
-One generic pipeline, no model type: onnxscript's rewrite rules (``ort_fusions`` and the
-standard-domain ``rules.fusion``) plus the few rules onnxscript lacks (``fusion.rules``), in
-an order where each step can build on the previous one (GELU before BiasGelu, norms before
-skip+norm, SDPA before MultiHeadAttention). ``target="ort"`` may emit onnxruntime contrib
-ops; ``target="onnx"`` emits standard ops only, those the model's opset has.
-
-Every node a step creates carries ``metadata_props[FUSED_TAG] = <step name>`` so ``--explain``
-and the report can say which rule fused it.
+A LayerNorm, RMSNorm or GELU written as primitive ops contains deny ops and becomes an fp32
+island with casts; its fused kernel computes statistics in fp32 registers with low I/O
+(decision 0007). One generic pipeline: onnxscript's rewrite rules plus our own
+(``fusion.rules``), ordered so each step can build on the previous one. ``target="ort"`` may
+emit onnxruntime contrib ops; ``target="onnx"`` only standard ops of the model's opset. Every
+created node carries ``metadata_props[FUSED_TAG] = <step name>``.
 """
 from __future__ import annotations
 
@@ -37,7 +30,7 @@ _SDPA_DOMAIN = "ai.onnxruntime._fusion"
 # Op keys (as in the rule files) that count as fused chains in the report.
 FUSED_OPS = frozenset({
     "LayerNormalization", "RMSNormalization", "Gelu", "Attention",
-    "SimplifiedLayerNormalization",
+    "SimplifiedLayerNormalization", "RotaryEmbedding",
     *(f"{MS_DOMAIN}::{op}" for op in (
         "Gelu", "FastGelu", "BiasGelu", "QuickGelu", "SkipLayerNormalization",
         "SkipSimplifiedLayerNormalization", "MultiHeadAttention", "RotaryEmbedding",
@@ -76,8 +69,7 @@ def op_key(node: ir.Node) -> str:
 
 def _softmax_feeds_matmul(nodes: list[ir.Node]) -> bool:
     """Whether some Softmax output reaches a MatMul directly or through the NaN guard's
-    Where (the attention patterns' spine). A residual stack of Softmax blocks without
-    attention would otherwise cost a match attempt (~20 µs) at every MatMul."""
+    Where (the attention patterns' spine): else no attention match is tried."""
     for node in nodes:
         if node.op_type == "Softmax":
             for use in node.outputs[0].uses():
@@ -138,7 +130,7 @@ def _onnx_steps() -> list[FusionStep]:
     from onnxscript.rewriter.ort_fusions import sdpa
     from onnxscript.rewriter.rules.fusion import _layer_norm, _rms_normalization
 
-    from amp_rewrite.onnx.fusion import canonical
+    from amp_rewrite.onnx.fusion import canonical, decoding
     from amp_rewrite.onnx.fusion import rules as own
 
     return [
@@ -148,6 +140,11 @@ def _onnx_steps() -> list[FusionStep]:
                    lambda: _layer_norm.layer_normalization_ruleset, min_opset=17),
         FusionStep("rules.fusion.rms_normalization", _ops("ReduceMean"),
                    lambda: _rms_normalization.rms_normalization_ruleset, min_opset=23),
+        # RoPE before attention (as for ort): ONNX RotaryEmbedding-23 with the per-token
+        # fp32 Cos/Sin of the graph's own angles as its (B, S, D/2) caches.
+        FusionStep("amp_rewrite.rotary_embedding", _ops("Cos"),
+                   lambda: decoding.rotary_rules("onnx"), min_opset=23,
+                   wanted=decoding.has_rotary_tables),
         FusionStep("amp_rewrite.key_transpose", _ops("Transpose"), canonical.key_transpose_rules,
                    min_opset=23, rounds=1, wanted=_softmax_feeds_matmul),
         FusionStep("ort_fusions.sdpa", _ops("Softmax"),
@@ -155,6 +152,11 @@ def _onnx_steps() -> list[FusionStep]:
                    min_opset=23, rounds=1, wanted=_softmax_feeds_matmul),
         FusionStep("amp_rewrite.sdpa_to_attention", _ops("SDPA"),
                    own.sdpa_to_attention_rules, min_opset=23, rounds=1),
+        # KV-cache decoders: the Attention (this step's or the exporter's) takes past_key/
+        # past_value itself and the head repeat goes (GQA through 4-D head counts).
+        FusionStep("amp_rewrite.attention_kv_cache", _ops("Attention"),
+                   decoding.attention23_rules, min_opset=23, rounds=1,
+                   wanted=decoding.attention_reads_head_repeat),
     ]
 
 
@@ -282,13 +284,9 @@ def _decline_once(rule: str, error: BaseException) -> None:
 
 
 class _RootFiltered:
-    """A rewrite rule that declines a node before matching when the node's op type is not
-    that of the pattern's root: onnxscript tries every rule on every node, ~20 µs a try,
-    which alone would cost a minute on a 50k-node transformer.
-
-    It also declines, instead of raising, wherever the rule fails before the graph is
-    touched: an exception while matching, checking or building the replacement, and a match
-    that ``as_function`` could not extract (see ``_unextractable``)."""
+    """A rewrite rule that declines a node whose op type is not the pattern's root before
+    matching (onnxscript tries every rule on every node), and declines instead of raising
+    wherever the rule fails before the graph is touched (``_unextractable`` included)."""
 
     def __init__(self, rule, step: str) -> None:
         self._rule = rule

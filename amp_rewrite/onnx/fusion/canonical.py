@@ -1,15 +1,10 @@
 """Canonical forms that let the attention patterns match exports with symbolic shapes.
 
-torchlib (``torch.onnx.export(..., dynamo=True)``) spells ``key.transpose(-2, -1)`` inside its
-SDPA decomposition as ``Reshape(key, [-1, S, D]) -> Transpose(perm=[0, 2, 1]) ->
-Reshape(key.shape[:-2] + [D, S])``. With static shapes the two shapes are constants; with a
-symbolic batch or sequence they are ``Shape -> Slice -> Concat`` expressions of the key.
-onnxscript's SDPA rule matches this chain with ``ANY_VALUE`` shapes and, extracting the matched
-nodes as a function, finds the computed shapes neither among the function's inputs nor among
-the constants: ``ValueError: Value ... not found in value_map`` (onnxscript 0.7.2). The rule
+torchlib spells ``key.transpose(-2, -1)`` in its SDPA decomposition as ``Reshape(key, [-1, S,
+D]) -> Transpose(perm=[0, 2, 1]) -> Reshape(key.shape[:-2] + [D, S])``, with ``Shape -> Slice ->
+Concat`` shapes when dims are symbolic, which onnxscript's SDPA rule cannot extract. The rule
 here proves from the shape expressions that the chain swaps the last two axes of a rank-4 key
-and replaces it with ``Transpose(key, perm=[0, 1, 3, 2])``, the form the SDPA rule takes
-without any shape value.
+and replaces it with ``Transpose(key, perm=[0, 1, 3, 2])``.
 """
 from __future__ import annotations
 

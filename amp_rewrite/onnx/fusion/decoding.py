@@ -1,10 +1,9 @@
-"""Rotary embeddings as transformers 5 exports them → ``com.microsoft::RotaryEmbedding``.
+"""Rotary embeddings as transformers 5 exports them → ``com.microsoft::RotaryEmbedding``
+(``--target ort``) or ONNX ``RotaryEmbedding``-23 (``--target onnx``); KV-cache attention →
+``com.microsoft::GroupQueryAttention`` or ONNX ``Attention``-23 with past/present (below).
 
-onnxscript's ``cos_sin_cache`` wants the angles as ``MatMul(inv_freq[1, E, 1], positions)``
-followed by ``Transpose(0, 2, 1)``; the dynamo export of transformers 5 writes the product
-over the size-1 dimension as ``Mul(Cast(Unsqueeze(position_ids, -1)), inv_freq[E])``, so that
-rule (and ``gqa`` after it) never matches (docs/decisions/0031b-llm-decoding.md). This rule
-matches the rotation itself, whatever computes the angles::
+onnxscript's rotary rule does not match these exports (decision 0031b). This rule matches the
+rotation itself, whatever computes the angles::
 
     f    = <angles>                       # (B, S, E), E = D/2, any producer
     emb  = Concat(f, f, axis=-1)
@@ -12,11 +11,8 @@ matches the rotation itself, whatever computes the angles::
     y    = x·cos4 + Concat(-x[..., E:], x[..., :E])·sin4      # x: (B, H, S, D)
 
 and writes ``RotaryEmbedding(x, position_ids, cos_cache, sin_cache)`` with per-token caches
-computed in the graph from the same angles: ``cos_cache = Cos(Reshape(f, [-1, E]))`` (B·S
-rows) and ``position_ids = Reshape(Range(0, B·S), [B, S])``, so row ``b·S + s`` is token
-(b, s)'s own angle. The angles and Cos/Sin stay as they were (fp32 under the plan, their
-outputs bounded); only the cache is cast to the op's type. One cache per angle tensor, shared
-by every layer's Q and K.
+from the same angles (``cos_cache = Cos(Reshape(f, [-1, E]))``, ``position_ids =
+Reshape(Range(0, B·S), [B, S])``), one cache per angle tensor, shared by every layer's Q and K.
 """
 from __future__ import annotations
 
@@ -45,11 +41,18 @@ def _int_attr(node: ir.Node, name: str, default: int) -> int:
 
 
 class RotaryHalfFusion(pattern.RewriteRuleClassBase):
-    """Half-split (non-interleaved) RoPE with per-token cos/sin → ORT RotaryEmbedding."""
+    """Half-split (non-interleaved) RoPE with per-token cos/sin → RotaryEmbedding.
 
-    def __init__(self) -> None:
-        super().__init__("amp_rewrite.RotaryEmbedding")
-        self._caches: dict[ir.Value, tuple[ir.Value, ir.Value, ir.Value]] = {}
+    One matcher and check for both targets; only the written op differs. ``target="ort"``:
+    ``com.microsoft::RotaryEmbedding(x, position_ids, cos_cache, sin_cache)`` with (B·S, E)
+    caches and ``position_ids = arange(B·S)``; ``target="onnx"``: ONNX ``RotaryEmbedding``-23
+    ``(x, Cos(f), Sin(f))`` without ``position_ids``, whose caches are the per-token (B, S, E)
+    tables themselves. Either way the angles ``f`` and Cos/Sin are the graph's own (fp32)."""
+
+    def __init__(self, target: str = "ort") -> None:
+        super().__init__("amp_rewrite.RotaryEmbedding" + ("" if target == "ort" else ".onnx"))
+        self.target = target
+        self._caches: dict[ir.Value, tuple[ir.Value | None, ir.Value, ir.Value]] = {}
         self._angles: ir.Value | None = None
 
     def pattern(self, op, x, cos4, sin4, start1, end1, axes1, steps1, start2, end2, axes2,
@@ -109,6 +112,8 @@ class RotaryHalfFusion(pattern.RewriteRuleClassBase):
         return result
 
     def _cache(self, op, f: ir.Value, half: int):
+        if f not in self._caches and self.target == "onnx":
+            self._caches[f] = (None, op.Cos(f), op.Sin(f))  # (B, S, E): per-token tables
         if f not in self._caches:
             batch_seq = op.Shape(f, start=0, end=2)
             rows = op.ReduceProd(batch_seq, keepdims=0)
@@ -122,6 +127,8 @@ class RotaryHalfFusion(pattern.RewriteRuleClassBase):
     def rewrite(self, op, x, **_):
         f, self._angles = self._angles, None
         position_ids, cos_cache, sin_cache = self._cache(op, f, x.shape[3] // 2)
+        if self.target == "onnx":
+            return op.RotaryEmbedding(x, cos_cache, sin_cache, interleaved=0)
         return op.RotaryEmbedding(x, position_ids, cos_cache, sin_cache, interleaved=0,
                                   _domain=MS_DOMAIN)
 
@@ -130,8 +137,8 @@ class RotaryHalfFusion(pattern.RewriteRuleClassBase):
         self._angles = None
 
 
-def rotary_rules():
-    return pattern.RewriteRuleSet([RotaryHalfFusion.rule()])
+def rotary_rules(target: str = "ort"):
+    return pattern.RewriteRuleSet([RotaryHalfFusion.rule(target)])
 
 
 def has_rotary_tables(nodes: list[ir.Node]) -> bool:
@@ -246,6 +253,62 @@ def _shape_is(value: ir.Value | None, dims: list) -> bool:
     if value is None or value.shape is None or len(value.shape) != len(dims):
         return False
     return all(_same_dim(a, b) for a, b in zip(value.shape, dims))
+
+
+def _repeat_kv_fail(unsq: ir.Value, rep: ir.Value, q: ir.Value, kv_heads: int, total) -> str:
+    """Why ``rep = Reshape(Expand(Unsqueeze(kv, unsq), .), .)`` is not transformers'
+    ``repeat_kv`` of a (B, Hkv, T, D) cache for (B, H, S, D) queries, else "".
+
+    repeat_kv: (B, Hkv, T, D) -> (B, Hkv, 1, T, D) -> (B, Hkv, G, T, D) -> (B, H, T, D), so
+    query head h reads KV head h // G: GroupQueryAttention's grouping and ONNX Attention's
+    (``np.repeat`` over the head axis) alike."""
+    batch, heads, _, head = q.shape
+    axes = _const(unsq)
+    if axes is None or axes.ravel().tolist() != [2]:
+        return "head repeat does not unsqueeze axis 2"
+    expand = rep.producer().inputs[0]
+    if not _shape_is(expand, [batch, kv_heads, heads // kv_heads, total, head]):
+        return "head repeat does not expand to (B, Hkv, G, T, D)"
+    if not _shape_is(rep, [batch, heads, total, head]):
+        return "head repeat does not reshape to (B, H, T, D)"
+    return ""
+
+
+def _kv_cache_fail(context, q, k_new, v_new, k_all, v_all, unsq_k, unsq_v, k_rep, v_rep,
+                   past_key=None, past_value=None) -> tuple[str, ir.Value | None]:
+    """The checks both KV-cache attention rules share (GQA for ``--target ort``, ONNX
+    Attention-23 for ``--target onnx``): q (B, H, S, D) with known H and D, new k/v
+    (B, Hkv, S, D), the cache ``k_all``/``v_all`` (B, Hkv, T, D) = Concat(past, new) with
+    ``past_*`` (B, Hkv, P, D) graph inputs (decode; None: prompt, cache = new), one dtype,
+    and ``repeat_kv`` on both. ("", None) when all hold, else (why, where)."""
+    if q.shape is None or len(q.shape) != 4 or not all(
+            isinstance(d, int) for d in (q.shape[1], q.shape[3])):
+        return "query is not (B, H, S, D) with known H, D", q
+    batch, heads, seq, head = q.shape
+    for value in (k_new, v_new, k_all, v_all):
+        if value.shape is None or len(value.shape) != 4 or not isinstance(value.shape[1], int):
+            return "key/value are not (B, Hkv, T, D) with known Hkv", value
+    kv_heads = k_new.shape[1]
+    if heads % kv_heads or v_new.shape[1] != kv_heads:
+        return "query heads are not a multiple of the KV heads", k_new
+    if not (_shape_is(k_new, [batch, kv_heads, seq, head])
+            and _shape_is(v_new, [batch, kv_heads, seq, head])):
+        return "new key/value are not (B, Hkv, S, D)", k_new
+    total = k_all.shape[2]
+    if past_key is not None or past_value is not None:
+        for past in (past_key, past_value):
+            if past is None or past not in context.graph_or_function.inputs or not _shape_is(
+                    past, [batch, kv_heads, past.shape[2], head]):
+                return "past key/value are not (B, Hkv, P, D) graph inputs", past
+    if q.dtype is None or any(v.dtype != q.dtype for v in (k_new, v_new)):
+        return "q, k, v differ in dtype", q
+    for unsq, rep in ((unsq_k, k_rep), (unsq_v, v_rep)):
+        why = _repeat_kv_fail(unsq, rep, q, kv_heads, total)
+        if why:
+            return why, rep
+    if not _same_dim(v_all.shape[2], total):
+        return "key and value lengths differ", v_all
+    return "", None
 
 
 class _MaskProof:
@@ -442,43 +505,15 @@ class GroupQueryAttentionFusion(pattern.RewriteRuleClassBase):
 
         result = pattern.MatchResult()
         self._found = {}
-        if q.shape is None or len(q.shape) != 4 or not all(
-                isinstance(d, int) for d in (q.shape[1], q.shape[3])):
-            return result.fail("query is not (B, H, S, D) with known H, D", q)
-        batch, heads, seq, head = q.shape
         k_all = kw.get("k_all", k_new)
         v_all = kw.get("v_all", v_new)
-        for value in (k_new, v_new, k_all, v_all):
-            if value.shape is None or len(value.shape) != 4 or not isinstance(value.shape[1], int):
-                return result.fail("key/value are not (B, Hkv, T, D) with known Hkv", value)
-        kv_heads = k_new.shape[1]
-        if heads % kv_heads or v_new.shape[1] != kv_heads:
-            return result.fail("query heads are not a multiple of the KV heads", k_new)
-        if not (_shape_is(k_new, [batch, kv_heads, seq, head])
-                and _shape_is(v_new, [batch, kv_heads, seq, head])):
-            return result.fail("new key/value are not (B, Hkv, S, D)", k_new)
-        total = k_all.shape[2]
-        if self.with_past:
-            for past in (past_key, past_value):
-                if past not in context.graph_or_function.inputs or not _shape_is(
-                        past, [batch, kv_heads, past.shape[2], head]):
-                    return result.fail("past key/value are not (B, Hkv, P, D) graph inputs", past)
-        if q.dtype is None or any(v.dtype != q.dtype for v in (k_new, v_new)):
-            return result.fail("q, k, v differ in dtype", q)
-        group = heads // kv_heads
-        # repeat_kv: (B, Hkv, T, D) -> (B, Hkv, 1, T, D) -> (B, Hkv, G, T, D) -> (B, H, T, D),
-        # so query head h reads KV head h // G, as GroupQueryAttention does.
-        for unsq, rep, src in ((unsq_k, k_rep, k_all), (unsq_v, v_rep, v_all)):
-            axes = _const(unsq)
-            if axes is None or axes.ravel().tolist() != [2]:
-                return result.fail("head repeat does not unsqueeze axis 2", unsq)
-            expand = rep.producer().inputs[0]
-            if not _shape_is(expand, [batch, kv_heads, group, total, head]):
-                return result.fail("head repeat does not expand to (B, Hkv, G, T, D)", expand)
-            if not _shape_is(rep, [batch, heads, total, head]):
-                return result.fail("head repeat does not reshape to (B, H, T, D)", rep)
-        if not _same_dim(v_all.shape[2], total):
-            return result.fail("key and value lengths differ", v_all)
+        why, where = _kv_cache_fail(context, q, k_new, v_new, k_all, v_all, unsq_k, unsq_v,
+                                    k_rep, v_rep, past_key if self.with_past else None,
+                                    past_value if self.with_past else None)
+        if why:
+            return result.fail(why, where)
+        batch, heads, seq, head = q.shape
+        kv_heads, total = k_new.shape[1], k_all.shape[2]
         scales = [_const(a), _const(b)]
         if any(s is None or s.size != 1 for s in scales):
             return result.fail("the scale is not a constant scalar", a)
@@ -545,3 +580,116 @@ class GroupQueryAttentionFusion(pattern.RewriteRuleClassBase):
 def gqa_rules():
     return pattern.RewriteRuleSet([GroupQueryAttentionFusion.rule(with_past=True),
                                    GroupQueryAttentionFusion.rule(with_past=False)])
+
+
+# ------------------------------------------------------------ ONNX Attention-23 (--target onnx)
+#
+# At opset ≥ 23 the attention of these decoders is already an ONNX ``Attention`` (the
+# exporter's SDPA translation at opset 23, or ``ort_fusions.sdpa`` → ``sdpa_to_attention``
+# on an older export brought up by the version converter), but it reads the head-repeated,
+# Concat-ed cache:
+#
+#     k_all = Concat(past_key, k, axis=-2)                       # present.{i}.key (decode)
+#     k_rep = Reshape(Expand(Unsqueeze(k_all, [2]), .), .)       # repeat_kv, v likewise
+#     y     = Attention(q, k_rep, v_rep, attn_mask)              # 4-D, is_causal=0
+#
+# This rule writes ``Attention(q, k, v, attn_mask, past_key, past_value)`` whose
+# ``present_key``/``present_value`` replace the Concats (the head repeat goes: a 4-D
+# Attention with fewer KV heads is GQA, query head h reading KV head h // G, as repeat_kv).
+# The mask input travels unchanged (boolean or additive, whatever the graph built), so
+# unlike GroupQueryAttention's ``seqlens_k`` no mask proof is needed and left padding stays
+# exact; what is checked is the cache (``_kv_cache_fail``, shared with the GQA rule), that
+# the mask spans the whole cache, and the attributes: ``is_causal=0`` (with a past, ONNX's
+# causal frontier moves by past_key.shape[2]), no softcap, no qk output, no 3-D head counts.
+# ``softmax_precision`` becomes FLOAT: the scores and softmax in fp32 whatever T is (what the
+# fp32 model did), the fp16/bf16 cast only on the inputs and the output.
+
+
+class AttentionKVCacheFusion(pattern.RewriteRuleClassBase):
+    """``Attention(q, repeat_kv([Concat(past,] k[)]), ..., mask)`` → ONNX Attention-23 with
+    ``past_key``/``past_value`` (``with_past``) and no head repeat."""
+
+    def __init__(self, with_past: bool) -> None:
+        super().__init__("amp_rewrite.Attention23" + ("" if with_past else ".prompt"),
+                         remove_nodes=False)  # shape computations may still read k_rep
+        self.with_past = with_past
+        self._found: dict = {}
+
+    def pattern(self, op, q, k_new, v_new, past_key, past_value, unsq_k, unsq_v, expand_k,
+                expand_v, shape_k, shape_v, mask):
+        if self.with_past:
+            k_all = op.Concat(past_key, k_new, axis=-2, _outputs=["k_all"])
+            v_all = op.Concat(past_value, v_new, axis=-2, _outputs=["v_all"])
+        else:
+            k_all, v_all = k_new, v_new
+        k_rep = op.Reshape(op.Expand(op.Unsqueeze(k_all, unsq_k), expand_k), shape_k,
+                           _outputs=["k_rep"])
+        v_rep = op.Reshape(op.Expand(op.Unsqueeze(v_all, unsq_v), expand_v), shape_v,
+                           _outputs=["v_rep"])
+        y = op.Attention(q, k_rep, v_rep, mask, _outputs=["y"])
+        return (y, k_all, v_all) if self.with_past else y
+
+    def check(self, context, q, k_new, v_new, unsq_k, unsq_v, k_rep, v_rep, mask, y,
+              past_key=None, past_value=None, **kw) -> pattern.MatchResult:
+        result = pattern.MatchResult()
+        self._found = {}
+        k_all = kw.get("k_all", k_new)
+        v_all = kw.get("v_all", v_new)
+        why, where = _kv_cache_fail(context, q, k_new, v_new, k_all, v_all, unsq_k, unsq_v,
+                                    k_rep, v_rep, past_key if self.with_past else None,
+                                    past_value if self.with_past else None)
+        if why:
+            return result.fail(why, where)
+        node = y.producer()
+        if node.domain not in ("", "ai.onnx"):
+            return result.fail("not the ONNX Attention", y)
+        if any(out.uses() or out.is_graph_output() for out in node.outputs[1:]):
+            return result.fail("the Attention's present/qk outputs are read", y)
+        attrs = node.attributes
+        for name in ("q_num_heads", "kv_num_heads", "nonpad_kv_seqlen"):
+            if name in attrs:
+                return result.fail(f"{name} is set", y)
+        if _int_attr(node, "is_causal", 0) != 0:
+            return result.fail("is_causal=1 (the causal frontier would move with a past)", y)
+        if _int_attr(node, "qk_matmul_output_mode", 0) != 0:
+            return result.fail("qk_matmul_output_mode is set", y)
+        softcap = attrs.get("softcap")
+        if softcap is not None and softcap.as_float() != 0.0:
+            return result.fail("softcap is set", y)
+        if mask.shape is None or not 2 <= len(mask.shape) <= 4 or not _same_dim(
+                mask.shape[-1], k_all.shape[2]):
+            return result.fail("the mask does not span the whole cache", mask)
+        scale = attrs.get("scale")
+        self._found = dict(scale=None if scale is None else scale.as_float(),
+                           out_shape=y.shape, present_shape=k_all.shape)
+        return result
+
+    def rewrite(self, op, q, k_new, v_new, mask, past_key=None, past_value=None, **_):
+        found, self._found = self._found, {}
+        attrs = {"softmax_precision": int(ir.DataType.FLOAT)}
+        if found["scale"] is not None:
+            attrs["scale"] = found["scale"]
+        if not self.with_past:
+            out = op.Attention(q, k_new, v_new, mask, **attrs)
+            out.shape = found["out_shape"]
+            return out
+        outputs = op.Attention(q, k_new, v_new, mask, past_key, past_value, **attrs,
+                               _outputs=3)
+        outputs[0].shape = found["out_shape"]
+        for present in outputs[1:]:
+            present.shape = found["present_shape"]
+        return tuple(outputs)
+
+    def cleanup(self) -> None:
+        self._found = {}
+
+
+def attention23_rules():
+    return pattern.RewriteRuleSet([AttentionKVCacheFusion.rule(with_past=True),
+                                   AttentionKVCacheFusion.rule(with_past=False)])
+
+
+def attention_reads_head_repeat(nodes: list[ir.Node]) -> bool:
+    """Whether some ONNX Attention reads its key through a Reshape (a head repeat)."""
+    return any(n.op_type == "Attention" and n.domain in ("", "ai.onnx") and len(n.inputs) > 1
+               and _producer(n.inputs[1], "Reshape") is not None for n in nodes)

@@ -1,17 +1,12 @@
 """Fusion rules onnxscript has no equivalent for, in its ``pattern / check / rewrite`` style.
 
-* tanh-GELU as HF's ``gelu_new`` and torch's ``gelu(approximate="tanh")`` export it
-  (``0.5·x`` formed first, then times ``1 + tanh(...)``): onnxscript's ``GeluTanhFusion``
-  only knows the ``x · (0.5 · (1 + tanh))`` order and fixed constants.
+* tanh-GELU in the order HF's ``gelu_new`` and torch's ``gelu(approximate="tanh")`` export it.
 * erf-GELU and tanh-GELU to the standard ``Gelu`` (opset 20) for ``target="onnx"``.
-* QuickGELU / SiLU: ``x · sigmoid(α·x)`` (CLIP's quick_gelu, α = 1.702; SiLU, α = 1).
-* FastGelu with its bias input: ``FastGelu(x + b)`` → ``FastGelu(x, b)``, as ORT's
-  transformers optimizer emits it.
-* onnxscript's intermediate SDPA call → the standard ``Attention`` (opset 23) for
-  ``target="onnx"`` (onnxscript only lowers SDPA to ORT's MultiHeadAttention).
+* QuickGELU / SiLU: ``x · sigmoid(α·x)`` (α = 1.702; SiLU, α = 1).
+* FastGelu with its bias input: ``FastGelu(x + b)`` → ``FastGelu(x, b)``.
+* onnxscript's intermediate SDPA call → the standard ``Attention`` (opset 23), ``target="onnx"``.
 
-Constants are pattern variables checked in ``check`` with a relative tolerance, because
-exporters write them rounded to fp32 (0.044715 arrives as 0.044714998...).
+Constants are pattern variables checked with a relative tolerance, as exporters round them.
 """
 from __future__ import annotations
 

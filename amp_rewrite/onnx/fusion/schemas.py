@@ -1,12 +1,8 @@
 """Schemas of onnxruntime's contrib ops, for port typing and the ONNX checker.
 
-``onnx.defs`` knows only the standard domains. onnxruntime registers its contrib ops
-(``com.microsoft``, plus ``SimplifiedLayerNormalization`` in the default domain) in its own
-registry, which its Python module exposes. :func:`runtime_schema` reads a schema from there
-in the shape ``ports`` reads ``onnx.defs`` schemas (``inputs[i].type_str``,
-``type_constraints[j].type_param_str / allowed_type_strs``), so a fused node's ports get the
-same treatment as a standard op's (``mean``/``inv_std_var`` of the skip norms are typed ``U``,
-float32 only, and stay high).
+``onnx.defs`` knows only the standard domains; :func:`runtime_schema` reads a contrib schema
+from onnxruntime's registry in the shape ``ports`` reads ``onnx.defs`` schemas, so a fused
+node's ports get the same treatment as a standard op's.
 """
 from __future__ import annotations
 
@@ -76,13 +72,8 @@ def runtime_schema(domain: str, op_type: str, opset: int) -> RuntimeSchema | Non
 
 @functools.cache
 def register_default_domain_contrib_ops() -> None:
-    """Make the ONNX checker accept ORT's default-domain ``SimplifiedLayerNormalization``.
-
-    onnxruntime registers its RMSNorm kernel in the default domain (ORT's own transformers
-    optimizer emits it there too), where ``onnx.defs`` has no such op, so ``check_model``
-    rejects every model that uses it. Registering ORT's signature (no inference function:
-    output types come from the model) lets the checker verify the rest of the model.
-    """
+    """Make the ONNX checker accept ORT's default-domain ``SimplifiedLayerNormalization``
+    (its RMSNorm, unknown to ``onnx.defs``) by registering ORT's signature."""
     try:
         onnx.defs.get_schema("SimplifiedLayerNormalization", 1, "")
         return
