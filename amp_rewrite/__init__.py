@@ -1,7 +1,7 @@
 """amp_rewrite: a mixed-precision compiler pass for PyTorch (torch.fx) and ONNX.
 
 Public API (imported lazily so ``import amp_rewrite`` stays cheap):
-``rewrite_onnx``, ``rewrite`` and ``explain`` (torch), ``LossScaler``, ``AmpOptimizer``.
+``rewrite_onnx``, ``rewrite``, ``explain``, ``compile`` and ``report`` (torch), ``LossScaler``, ``AmpOptimizer``.
 """
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ _LAZY = {
     "rewrite_onnx": "amp_rewrite.onnx.api",
     "rewrite_onnx_model": "amp_rewrite.onnx.api",
     "rewrite": "amp_rewrite.fx",
-    "explain": "amp_rewrite.fx",
+    "explain": "amp_rewrite.fx.backend",  # GraphModules as amp_rewrite.fx.explain
+    "compile": "amp_rewrite.fx.backend",
+    "report": "amp_rewrite.fx.backend",
     "LossScaler": "amp_rewrite.training",
     "AmpOptimizer": "amp_rewrite.training",
 }

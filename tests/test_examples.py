@@ -1,4 +1,4 @@
-"""The examples run as written (issue 26: what a new user copies must not crash)."""
+"""The examples run as written: what a new user copies must not crash."""
 from __future__ import annotations
 
 import os
@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+pytestmark = pytest.mark.slow  # runs the examples end to end
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

@@ -76,6 +76,7 @@ def test_import_does_not_load_torch() -> None:
     assert out.stdout.split() == ["False", "False"]  # transformers needs torch: covered
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", zoo.NAMES)
 def test_forward_shapes_finite_and_not_degenerate(models: dict, name: str) -> None:
     model = models[name]
@@ -91,6 +92,7 @@ def test_forward_shapes_finite_and_not_degenerate(models: dict, name: str) -> No
         assert o.std() > 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", zoo.NAMES)
 def test_torch_export_matches_eager(models: dict, name: str) -> None:
     model = models[name]
@@ -102,6 +104,7 @@ def test_torch_export_matches_eager(models: dict, name: str) -> None:
         torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", zoo.NAMES)
 def test_sdpa_attention_matches_eager(models: dict, name: str) -> None:
     sdpa = zoo.build(name, attn_implementation="sdpa")
@@ -109,6 +112,7 @@ def test_sdpa_attention_matches_eager(models: dict, name: str) -> None:
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MASKED)
 def test_attention_mask_reaches_the_model(models: dict, name: str) -> None:
     model = models[name]
@@ -122,6 +126,7 @@ def test_attention_mask_reaches_the_model(models: dict, name: str) -> None:
     assert not torch.allclose(changed, _outputs(model)[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["bert", "resnet"])
 def test_build_is_seeded_and_leaves_global_rng_alone(name: str) -> None:
     state = torch.random.get_rng_state()
@@ -134,6 +139,7 @@ def test_build_is_seeded_and_leaves_global_rng_alone(name: str) -> None:
     assert not torch.equal(_outputs(a)[0], _outputs(c)[0])
 
 
+@pytest.mark.slow
 def test_batch_size_is_respected() -> None:
     model = zoo.build("bart", batch=3)
     assert all(t.shape[0] == 3 for t in model.args)
@@ -155,6 +161,7 @@ def _graph_with_inputs(*names: str) -> onnx.ModelProto:
     return onnx.helper.make_model(onnx.helper.make_graph([node], "g", inputs, [out]))
 
 
+@pytest.mark.slow
 def test_onnx_inputs_follow_the_graph_inputs(models: dict) -> None:
     model = models["bert"]
     assert list(zoo.onnx_inputs(model)) == ["input_ids", "attention_mask"]
@@ -188,6 +195,7 @@ def test_default_cache_dir_honours_environment(tmp_path, monkeypatch) -> None:
     assert zoo.default_cache_dir() != tmp_path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ONNX_SUBSET)
 def test_onnx_export_runs_in_onnxruntime(models: dict, name: str) -> None:
     import onnxruntime as ort
@@ -205,6 +213,7 @@ def test_onnx_export_runs_in_onnxruntime(models: dict, name: str) -> None:
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
+@pytest.mark.slow
 def test_bundled_example_matches_its_script() -> None:
     """The committed quick-start model is small, standalone, and what the script builds."""
     import onnxruntime as ort
@@ -228,6 +237,7 @@ def test_bundled_example_matches_its_script() -> None:
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
 
 
+@pytest.mark.slow
 def test_dynamic_export_has_symbolic_batch_and_sequence(tmp_path) -> None:
     """A serving export: one symbolic batch dim shared by ids and mask, one sequence dim."""
     model = onnx.load(zoo.cached_onnx("bert", dynamic=True), load_external_data=False)

@@ -97,6 +97,7 @@ def onnx_graph(model: onnx.ModelProto) -> PrecisionGraph:
     return build_view(ir_model, LowDtype.FLOAT16, graphs=graphs).graph
 
 
+@pytest.mark.slow
 def test_compiled_min_cut_gives_networkx_plans_on_node_test_corpus(monkeypatch):
     from onnx.backend.test.case.node import collect_testcases
 
@@ -120,6 +121,7 @@ ZOO = ["albert", "bart", "bert", "clip_vision", "convnext", "deit", "distilbert"
        "wav2vec2", "whisper_encoder", "clip_text", "llama_32k", "unet_block"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ZOO)
 def test_compiled_min_cut_gives_networkx_plans_on_zoo_model(monkeypatch, name):
     from amp_rewrite.bench import zoo

@@ -247,7 +247,7 @@ def test_region_not_reaching_a_gemm_is_pruned():
 def test_conv_batchnorm_relu_conv_is_one_region_with_var_filled_by_one():
     # Compute-bound model (memory free): the 3-channel stem is padded too, since 2.67x its
     # FLOPs on Tensor Cores beats the 7.4x slower CUDA-core fallback (989.4 / 133.8).
-    # (The old FLOP cap of 1.5 refused it; the cost model replaced the cap, issue 15.)
+    # (A FLOP cap of 1.5 would refuse it; the cost model decides instead.)
     b = Builder(np.random.default_rng(6))
     x = b.input((2, 3, 5))
     h = b.unary(b.batchnorm(b.conv1x1(x, 13)), "relu")

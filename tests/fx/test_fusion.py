@@ -216,6 +216,7 @@ def test_fuse_false_keeps_the_spelled_out_attention():
                                                   "reused": 0}}
 
 
+@pytest.mark.slow
 def test_compiled_regions_match_eager_regions_forward_and_backward(monkeypatch):
     monkeypatch.setenv(pointwise.BACKEND_ENV, "inductor")
     model, args = _stack()
@@ -273,6 +274,7 @@ def _error(out, ref) -> float:
     return ((_first(out).float() - ref).norm() / ref.norm()).item()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["bert", "gpt2", "llama", "t5"])
 def test_zoo_model_with_fusion_is_as_accurate_as_unfused_and_autocast(name):
     from amp_rewrite.bench import zoo
@@ -298,6 +300,7 @@ def test_zoo_model_with_fusion_is_as_accurate_as_unfused_and_autocast(name):
     assert grads and all(g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)
 
 
+@pytest.mark.slow
 def test_second_rewrite_of_a_fused_zoo_model_changes_nothing():
     from amp_rewrite.bench import zoo
 
@@ -314,6 +317,7 @@ def test_second_rewrite_of_a_fused_zoo_model_changes_nothing():
         torch.testing.assert_close(again(*model.args), gm(*model.args))
 
 
+@pytest.mark.slow
 def test_fused_zoo_model_still_exports_and_compiles():
     from amp_rewrite.bench import zoo
 
@@ -328,6 +332,7 @@ def test_fused_zoo_model_still_exports_and_compiles():
         torch.testing.assert_close(compiled(*model.args), expected)
 
 
+@pytest.mark.slow
 def test_explain_names_the_fused_pattern(capsys):
     from amp_rewrite.bench import zoo
 
@@ -345,6 +350,7 @@ def test_explain_names_the_fused_pattern(capsys):
     assert "GEMM" in linear[0] and "Tensor Core" not in linear[0] and "cuBLAS" not in linear[0]
 
 
+@pytest.mark.slow
 def test_digits_training_through_compiled_regions_reaches_fp32_accuracy(monkeypatch):
     from tests.fx.test_training import LR, DigitsNet, _accuracy, _train, fp32_baseline
 
@@ -426,7 +432,7 @@ def test_cuda_declines_regions_too_small_to_pay_for_their_host_time():
 def test_a_second_rewrite_gives_the_same_code_where_gemms_are_emulated(monkeypatch, window):
     """On a CPU without native bf16 GEMMs (emulated GEMMs add casts by each GEMM) the region
     members and output numbering must not depend on node names or on where the first rewrite
-    put its nodes (issue 26: ``fused_2_out1`` where the first rewrite said ``fused_2_out0``)."""
+    put its nodes (not ``fused_2_out1`` where the first rewrite said ``fused_2_out0``)."""
     import amp_rewrite.fx as fx
 
     monkeypatch.setattr(fx, "native_low_gemm", lambda dtype, device: device != "cpu")

@@ -1,4 +1,4 @@
-"""Hugging Face models trained as people train them (issue 26): default configs (dropout on,
+"""Hugging Face models trained as people train them: default configs (dropout on,
 ``use_cache`` left to the model), labels given, ``mode="both"``, train / eval at another
 batch and sequence length / train again.
 
@@ -17,6 +17,8 @@ from amp_rewrite.bench import zoo
 from amp_rewrite.errors import UsageError
 from amp_rewrite.fx.pointwise import FusedRegion
 from amp_rewrite.training import AmpOptimizer
+
+pytestmark = pytest.mark.slow  # trains Hugging Face models
 
 # a causal LM and an encoder classifier of the zoo, with the config keys of their dropout
 MODELS = {"gpt2": ("resid_pdrop", "embd_pdrop", "attn_pdrop"),

@@ -38,6 +38,7 @@ def _rms_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref).norm() / ref.norm()).item()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_emulated_gemms_are_no_less_accurate_than_the_low_kernels_and_still_round(dtype):
     errors = {True: [], False: []}
@@ -98,6 +99,7 @@ def _train_ms(run) -> float:
     return 1e3 * min(times)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [(8, 4, 128, 16), (1, 2, 16, 8)])
 def test_attention_runs_in_fp32_only_where_that_kernel_is_clearly_faster(shape):
     """The choice agrees with an independent timing of both kernels, except on near ties
@@ -151,6 +153,7 @@ def test_emulated_training_gradients_match_the_low_kernels_class():
         assert emulated <= 1.5 * native + 1e-3, (name, emulated, native)
 
 
+@pytest.mark.slow
 def test_compiled_region_keeps_the_rounding_of_a_cast_round_trip(monkeypatch):
     """Inductor by default computes x.to(bf16).to(fp32) without rounding; the regions must
     round as the plan (and the eager region) does, or emulated GEMMs would read fp32."""
@@ -183,6 +186,7 @@ def test_an_attention_call_that_cannot_be_timed_keeps_its_low_kernel(monkeypatch
         assert _rms_error(gm(q, k, v), ref) < 1e-2
 
 
+@pytest.mark.slow
 def test_a_graph_with_lowered_attention_still_exports_compiles_and_trains(monkeypatch):
     monkeypatch.setattr(lowering, "attention_faster_in_fp32", lambda node, train: True)
     torch.manual_seed(0)

@@ -141,6 +141,7 @@ def test_second_rewrite_pads_nothing():
     assert [n.format_node() for n in again.graph.nodes] == before
 
 
+@pytest.mark.slow
 def test_padded_result_exports_and_compiles():
     model, x = mlp_100_37_1001(), torch.randn(4, 100)
     gm = amp_rewrite.rewrite(model, (x,), pad=True)
@@ -164,6 +165,7 @@ class OddDigitsNet(nn.Module):
         return self.head(F.gelu(self.fc2(F.gelu(self.norm(self.fc1(x))))))
 
 
+@pytest.mark.slow
 def test_load_digits_training_with_padding_matches_without():
     datasets = pytest.importorskip("sklearn.datasets")
     from amp_rewrite.training import AmpOptimizer

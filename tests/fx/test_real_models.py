@@ -19,7 +19,8 @@ from amp_rewrite.fx.capture import refresh_fake_values
 from amp_rewrite.bench.measure import compare_with_autocast, float_outputs
 
 # torch's deepcopy of export's pytree specs uses its own deprecated LeafSpec check.
-pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")
+pytestmark = [pytest.mark.slow,  # every zoo model, captured and rewritten
+              pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")]
 
 # Relative error vs FP32 (max |diff| / max |ref|). MobileNetV2 (17 depthwise blocks with
 # BatchNorm) amplifies rounding most: 0.21 in bf16, exactly autocast's error there as well.

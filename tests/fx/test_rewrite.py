@@ -139,6 +139,7 @@ def test_backward_lands_fp32_gradients_on_the_fp32_parameters():
         assert (p.grad - ref.grad).abs().max() / scale < 1e-2, name
 
 
+@pytest.mark.slow
 def test_works_under_torch_compile():
     args = block_inputs()
     gm = amp_rewrite.rewrite(Block(), args)

@@ -12,6 +12,7 @@ def _load(name: str) -> ModuleType:
     return importlib.import_module(f"amp_rewrite.bench.{name}")
 
 
+@pytest.mark.slow
 def test_models_table_writes_a_row_per_model_and_dtype(tmp_path, capsys):
     out = tmp_path / "table.json"
     assert _load("fx_table").main(

@@ -15,6 +15,8 @@ from torch import nn
 import amp_rewrite
 from amp_rewrite.training import AmpOptimizer
 
+pytestmark = pytest.mark.slow  # training to accuracy
+
 STEPS, BATCH, LR = 300, 64, 2e-3
 
 

@@ -1,10 +1,14 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 import onnx.parser
 import pytest
 
+EXAMPLE = Path(__file__).parents[2] / "examples" / "transformer_block.onnx"
+EXAMPLE_INPUTS = EXAMPLE.with_name("transformer_block_inputs.npz")
 
 # A branch reads values of the outer graph (h, w): the case for capture handling.
 IF_CAPTURES_OUTER = """
@@ -52,3 +56,12 @@ def run_reference(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+@pytest.fixture
+def ext_model(tmp_path):
+    """The example block with its weights in ``a.onnx.data``."""
+    path = tmp_path / "a.onnx"
+    onnx.save(onnx.load(EXAMPLE), path, save_as_external_data=True, location="a.onnx.data",
+              size_threshold=0)
+    return path

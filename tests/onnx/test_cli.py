@@ -18,10 +18,7 @@ import pytest
 
 from amp_rewrite.cli import main
 
-from .conftest import parse
-
-EXAMPLE = Path(__file__).parents[2] / "examples" / "transformer_block.onnx"
-EXAMPLE_INPUTS = EXAMPLE.with_name("transformer_block_inputs.npz")
+from .conftest import EXAMPLE, EXAMPLE_INPUTS, parse
 
 
 @pytest.fixture

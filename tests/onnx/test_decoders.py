@@ -31,6 +31,7 @@ def _error_vs_torch(model: onnx.ModelProto, name: str, run, past: int) -> float:
     return deployed.relative_error(run(model, feeds), decoders.torch_reference(name, feeds))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_cli_decoder_within_tolerance_of_torch(exported, dtype, tmp_path, capsys):
     name, path = exported
@@ -48,6 +49,7 @@ def test_cli_decoder_within_tolerance_of_torch(exported, dtype, tmp_path, capsys
         assert _error_vs_torch(model, name, deployed.run_ort, pasts[-1]) <= TOLERANCE
 
 
+@pytest.mark.slow
 def test_low_io_cache_is_fp16_and_32_chained_steps_stay_accurate(tmp_path, capsys):
     name = "llama-decode"
     out = tmp_path / "out.onnx"
@@ -67,6 +69,7 @@ def test_low_io_cache_is_fp16_and_32_chained_steps_stay_accurate(tmp_path, capsy
     assert deployed.chained_error(model, name, run=deployed.run_reference) <= TOLERANCE
 
 
+@pytest.mark.slow
 def test_low_io_whisper_cross_cache_also_low(tmp_path):
     from amp_rewrite.onnx.api import rewrite_onnx_model
 
@@ -96,6 +99,7 @@ def test_low_io_report_counts_bytes_saved_by_symbolic_dims():
     assert types == {"past": "FLOAT16", "x": "FLOAT", "present": "FLOAT16", "y": "FLOAT"}
 
 
+@pytest.mark.slow
 def test_no_low_io_keeps_cache_types():
     from amp_rewrite.onnx.api import rewrite_onnx_model
 
@@ -105,6 +109,7 @@ def test_no_low_io_keeps_cache_types():
     assert result.report["low_io"] == {}
 
 
+@pytest.mark.slow
 def test_decoder_exports_match_torch_in_fp32():
     """The export itself (the harness the other tests trust) against PyTorch."""
     import onnxruntime  # noqa: F401
@@ -130,6 +135,7 @@ def _kv_cast_sources(model: onnx.ModelProto) -> dict[str, str]:
     return sources
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama-decode", "qwen2-decode"])
 def test_bounded_cos_sin_cast_kv_before_head_repeat(name, monkeypatch):
     """With Cos/Sin's output bounded the rotary runs fp16, the cache is cast at the
@@ -254,6 +260,7 @@ def test_rotary_reference_kernel_matches_independent_rope_and_ort(interleaved, l
                                atol=tol * 4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama-decode", "llama-prefill", "qwen2-decode",
                                   "qwen2-prefill"])
 def test_rope_fuses_to_rotary_embedding_with_fp32_angles(name):
@@ -374,6 +381,7 @@ def helper_elem(dtype) -> int:
     return onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", GQA_NAMES)
 def test_gqa_decoders_fuse_to_group_query_attention(name):
     """Both layers' attention (cache Concat, repeat_kv, SDPA, causal ∧ padding mask) become
@@ -412,6 +420,7 @@ def _padded(name: str, side: str) -> dict[str, np.ndarray]:
     return feeds
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama-prefill", "qwen2-prefill"])
 def test_gqa_prefill_right_padding_exact_left_padding_not(name):
     """GQA's contract: a row's valid keys are [0, seqlens_k]. A right-padded prompt is exact
@@ -438,6 +447,7 @@ def test_gqa_prefill_right_padding_exact_left_padding_not(name):
     assert deployed.relative_error([got[0][1, 5:]], [ref[0][1, 5:]]) > 0.1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mutation", ["strict_causal", "weak_fill", "no_padding"])
 def test_gqa_declines_unproven_masks_and_mha_runs(mutation):
     import onnx_ir as ir
@@ -463,3 +473,139 @@ def test_gqa_declines_unproven_masks_and_mha_runs(mutation):
     fused = result.report["fused"]
     assert "com.microsoft::GroupQueryAttention" not in fused, fused
     assert fused.get("com.microsoft::MultiHeadAttention") == decoders.LAYERS, fused
+
+
+# -- --target onnx at opset 23: ONNX RotaryEmbedding + Attention-23 with the KV cache ---------
+#
+# onnxruntime 1.31's CPU provider runs opset-23 Attention (boolean mask, past/present, GQA
+# head counts, softmax_precision) and RotaryEmbedding in fp32 and fp16; in bf16 it has no
+# kernel (the Attention function body's Expand has no bf16 CPU kernel), so bf16 is checked
+# in onnx.reference only, as everywhere in this file.
+
+
+def _producers(model: onnx.ModelProto) -> dict[str, onnx.NodeProto]:
+    return {o: n for n in model.graph.node for o in n.output}
+
+
+def _assert_onnx_kv_attention(model: onnx.ModelProto, name: str) -> None:
+    """Both layers: 4 standard RotaryEmbedding, 2 standard Attention reading the new K/V (no
+    head repeat) and, on a decode step, the cache inputs, writing present.*; no contrib op."""
+    nodes = model.graph.node
+    assert {n.domain for n in nodes} <= {"", "ai.onnx"}, {n.domain for n in nodes}
+    assert sum(n.op_type == "RotaryEmbedding" for n in nodes) == 2 * decoders.LAYERS
+    attention = [n for n in nodes if n.op_type == "Attention"]
+    assert len(attention) == decoders.LAYERS
+    producer = _producers(model)
+    for node in attention:
+        for kv in node.input[1:3]:  # the new K/V: no Reshape(Expand(Unsqueeze)) head repeat
+            assert producer[kv].op_type not in ("Reshape", "Expand"), producer[kv].op_type
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert attrs.get("is_causal", 0) == 0 and attrs["softmax_precision"] == 1, attrs
+        assert "q_num_heads" not in attrs  # 4-D: GQA from the shapes (4 query, 2 KV heads)
+        if decoders.spec(name).has_past:
+            assert len(node.input) == 6
+            pasts = [producer[v].input[0] if v in producer else v for v in node.input[4:6]]
+            assert all(p.startswith("past_key_values.") for p in pasts), pasts
+    if decoders.spec(name).has_past:  # present.* come from the Attention (cast up)
+        for out in decoders.output_names(name)[1:]:
+            node = producer[out]
+            node = producer[node.input[0]] if node.op_type == "Cast" else node
+            assert node.op_type == "Attention", (out, node.op_type)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("name", GQA_NAMES)
+def test_target_onnx_opset23_decoders_fuse_kv_cache_attention(name, dtype, tmp_path, capsys):
+    """The opset-23 export (its RotaryEmbedding and Attention are the exporter's) rewritten
+    with --target onnx: the Attention takes the KV cache, within tolerance of torch fp32 at a
+    4- and a 1,000-token past (onnx.reference; ORT CPU for fp16)."""
+    out = tmp_path / "out.onnx"
+    path = decoders.cached_decoder(name, opset=23)
+    args = [str(path), "-o", str(out), "--dtype", dtype, "--target", "onnx", "-q"]
+    assert main(args) == 0, capsys.readouterr()
+    model = onnx.load(str(out))
+    onnx.checker.check_model(model, full_check=True)
+    _assert_onnx_kv_attention(model, name)
+    pasts = [decoders.PAST, LONG_PAST] if decoders.spec(name).has_past else [0]
+    for past in pasts:
+        error = _error_vs_torch(model, name, deployed.run_reference, past)
+        assert error <= TOLERANCES[dtype], (past, error)
+    if dtype == "fp16":
+        assert _error_vs_torch(model, name, deployed.run_ort, pasts[-1]) <= TOLERANCE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama-decode", "qwen2-prefill"])
+def test_target_onnx_converted_opset18_decoder_fuses_rope_and_attention(name):
+    """The opset-18 export brought to 23 by the version converter has the plain chains: the
+    shared rotary matcher writes ONNX RotaryEmbedding with one fp32 Cos/Sin pair of the
+    angles (cast once), SDPA → Attention, then the KV-cache fold."""
+    import onnx_ir as ir
+
+    from amp_rewrite.onnx.api import rewrite_onnx_model
+
+    result = rewrite_onnx_model(decoders.cached_decoder(name), opset=23, target="onnx")
+    fused = result.report["fused"]
+    assert fused.get("RotaryEmbedding") == 2 * decoders.LAYERS, fused
+    assert fused.get("Attention") == decoders.LAYERS, fused
+    hits = result.report["fusion_rules"]
+    assert hits.get("amp_rewrite.rotary_embedding") == 2 * decoders.LAYERS, hits
+    assert hits.get("amp_rewrite.attention_kv_cache") == decoders.LAYERS, hits
+    graph = result.model.graph
+    assert sum(n.op_type == "Cos" for n in graph) == 1 == sum(n.op_type == "Sin" for n in graph)
+    cos = next(n for n in graph if n.op_type == "Cos")
+    assert cos.outputs[0].dtype.name == "FLOAT" and cos.inputs[0].dtype.name == "FLOAT"
+    assert not any(n.op_type in ("Neg", "Softmax") for n in graph)
+    model = ir.to_proto(result.model)
+    onnx.checker.check_model(model, full_check=True)
+    _assert_onnx_kv_attention(model, name)
+    past = LONG_PAST if decoders.spec(name).has_past else 0
+    for run in (deployed.run_reference, deployed.run_ort):
+        assert _error_vs_torch(model, name, run, past) <= TOLERANCE
+
+
+@pytest.mark.slow
+def test_target_onnx_attention_carries_the_mask_left_padding_exact():
+    """The mask travels into Attention-23 unchanged (no seqlens): a left-padded prompt batch
+    stays exact on every valid row, where GroupQueryAttention's contract breaks."""
+    import onnx_ir as ir
+
+    from amp_rewrite.onnx.api import rewrite_onnx_model
+
+    name = "llama-prefill"
+    result = rewrite_onnx_model(decoders.cached_decoder(name, opset=23), target="onnx")
+    assert result.report["fused"].get("Attention") == decoders.LAYERS
+    model = ir.to_proto(result.model)
+    feeds = _padded(name, "left")
+    ref = decoders.torch_reference(name, feeds)
+    for run in (deployed.run_reference, deployed.run_ort):
+        got = run(model, feeds)
+        assert deployed.relative_error([got[0][1, 5:]], [ref[0][1, 5:]]) <= TOLERANCE
+        assert deployed.relative_error([got[0][0]], [ref[0][0]]) <= TOLERANCE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mutation", ["is_causal", "repeat_axis"])
+def test_target_onnx_attention_declines_and_the_plain_attention_stays(mutation):
+    import onnx_ir as ir
+
+    from amp_rewrite.onnx.api import rewrite_onnx_model
+
+    model = ir.load(str(decoders.cached_decoder("llama-decode", opset=23)))
+    attention = [n for n in model.graph if n.op_type == "Attention"]
+    if mutation == "is_causal":  # with a past, ONNX's causal frontier would move
+        for node in attention:
+            node.attributes["is_causal"] = ir.AttrInt64("is_causal", 1)
+    else:  # repeat on another axis: not repeat_kv's grouping
+        for node in attention:
+            unsq = node.inputs[1].producer().inputs[0].producer().inputs[0].producer()
+            axes = ir.Value(name=f"axes_{node.name}", const_value=ir.tensor(np.array([1])))
+            model.graph.initializers[axes.name] = axes
+            unsq.replace_input_with(1, axes)
+    result = rewrite_onnx_model(model, target="onnx", check=False)
+    assert "Attention" not in result.report["fused"], result.report["fused"]
+    attention = [n for n in result.model.graph if n.op_type == "Attention"]
+    assert len(attention) == decoders.LAYERS
+    assert all(len(n.inputs) == 4 and n.inputs[1].producer().op_type == "Reshape"
+               for n in attention)

@@ -1,4 +1,4 @@
-"""Deployed exports through the CLI (issue 31): SDPA attention, symbolic batch and sequence
+"""Deployed exports through the CLI: SDPA attention, symbolic batch and sequence
 axes, a UNet stage, a CLIP text encoder, a 32k-word LM head; fp16 and bf16, default options.
 
 Oracle: the FP32 torch module's own forward (never the code under test), on inputs of another
@@ -22,7 +22,7 @@ from amp_rewrite.onnx import validate
 
 # (zoo name, attention, symbolic axes); every export at the zoo's default opset 18
 DEPLOYED = [
-    ("bert", "eager", True),  # the serving export of issue 31 (batch + sequence symbolic)
+    ("bert", "eager", True),  # a serving export (batch + sequence symbolic)
     ("bert", "sdpa", True),
     ("llama", "sdpa", True),
     ("vit", "sdpa", True),
@@ -31,10 +31,10 @@ DEPLOYED = [
     ("llama_32k", "sdpa", False),
 ]
 MAX_REL_ERROR = 1e-2  # max|a - b| / max|a_fp32|
-# Known accuracy gaps (open; the rewrite succeeds and runs): GroupNorm exported as
-# InstanceNormalization runs bf16 once opset 22 admits it, and onnx.reference accumulates its
-# statistics in bf16 (0.15); CLIP's 77-token causal stack ends at 0.012 in bf16.
-BF16_OVER_BUDGET = {"unet_block-sdpa-dynamic", "clip_text-sdpa-dynamic"}
+# Known accuracy gaps (open; the rewrite succeeds and runs): CLIP's 77-token causal stack
+# ends at 0.012 in bf16. (unet_block's GroupNorm, exported as InstanceNormalization, reached
+# 0.15 with bf16 statistics; fused into GroupNormalization-21 with fp32 stash_type: 0.007.)
+BF16_OVER_BUDGET = {"clip_text-sdpa-dynamic"}
 
 
 def _id(case) -> str:
@@ -71,6 +71,7 @@ def rewritten(tmp_path_factory):
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("case", DEPLOYED, ids=_id)
 def test_rewrites_checks_and_matches_fp32_in_onnx_reference(rewritten, case, dtype, request):
@@ -83,6 +84,7 @@ def test_rewrites_checks_and_matches_fp32_in_onnx_reference(rewritten, case, dty
     assert max(errors) <= MAX_REL_ERROR, errors
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", DEPLOYED, ids=_id)
 def test_fp16_runs_in_onnxruntime_cpu_and_matches_fp32(rewritten, case):
     out, feeds, want = rewritten(case, "fp16")
@@ -91,6 +93,7 @@ def test_fp16_runs_in_onnxruntime_cpu_and_matches_fp32(rewritten, case):
     assert max(errors) <= MAX_REL_ERROR, errors
 
 
+@pytest.mark.slow
 def test_sdpa_with_symbolic_axes_fuses_attention(tmp_path):
     """The root cause of the crash: torchlib's Reshape/Transpose/Reshape key transpose with
     computed shapes; in canonical form the SDPA rule matches and MHA comes out."""
@@ -112,6 +115,7 @@ def unet_opset18():
     return zoo.cached_onnx("unet_block", attn_implementation="sdpa", dynamic=True)
 
 
+@pytest.mark.slow
 def test_bf16_below_opset_22_converts_the_opset_and_says_so(unet_opset18, tmp_path, capsys):
     out = tmp_path / "o.onnx"
     assert cli.main([str(unet_opset18), "-o", str(out), "--dtype", "bf16"]) == 0
@@ -129,6 +133,7 @@ def test_bf16_below_opset_22_converts_the_opset_and_says_so(unet_opset18, tmp_pa
     assert _rel_error(next(iter(got.values())), want) <= 0.2  # BF16_OVER_BUDGET: 0.15
 
 
+@pytest.mark.slow
 def test_keep_opset_refuses_bf16_below_opset_22(unet_opset18, tmp_path, capsys):
     out = tmp_path / "o.onnx"
     assert cli.main([str(unet_opset18), "-o", str(out), "--dtype", "bf16", "--keep-opset"]) == 3
@@ -137,6 +142,7 @@ def test_keep_opset_refuses_bf16_below_opset_22(unet_opset18, tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_fp16_keeps_the_opset(unet_opset18, tmp_path):
     out = tmp_path / "o.onnx"
     assert cli.main([str(unet_opset18), "-o", str(out), "-q"]) == 0

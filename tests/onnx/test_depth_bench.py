@@ -7,6 +7,8 @@ import pytest
 
 from amp_rewrite.bench import deep_speed
 
+pytestmark = pytest.mark.slow  # exports a zoo model and runs every converter on it
+
 
 @pytest.fixture()
 def depth_bench():

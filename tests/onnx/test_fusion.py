@@ -327,6 +327,7 @@ def _inside_ort_fused_chains(fp32: onnx.ModelProto) -> set[str]:
             if o not in kept}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, kinds", [
     ("bert", {"com.microsoft::SkipLayerNormalization", "com.microsoft::BiasGelu",
               "com.microsoft::MultiHeadAttention"}),
@@ -349,6 +350,7 @@ def test_zoo_model_fuses_runs_all_low_and_keeps_ort_fusions(name, kinds, zoo_cas
     assert not [n.input[0] for n in out.graph.node if n.op_type == "Cast" and n.input[0] in inside]
 
 
+@pytest.mark.slow
 def test_rewriting_a_fused_output_again_changes_nothing(zoo_case):
     path, _ = zoo_case("bert")
     once = rewrite_onnx(path)
@@ -357,6 +359,7 @@ def test_rewriting_a_fused_output_again_changes_nothing(zoo_case):
     assert again.proto() == once or rewrite_onnx(once) == once
 
 
+@pytest.mark.slow
 def test_onnx_target_fuses_attention_into_the_standard_op_at_opset_23():
     """Standard-domain output only: eager attention → Attention (23), checked in both runtimes."""
     from amp_rewrite.bench import zoo

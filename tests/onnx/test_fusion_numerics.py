@@ -122,6 +122,7 @@ def _rms_rel(got: np.ndarray, ref: np.ndarray) -> float:
                  / max(np.sqrt(np.mean(ref64 ** 2)), 1e-30))
 
 
+@pytest.mark.slow
 def test_fused_bert_is_no_less_accurate_than_unfused_at_every_value_under_true_fp16():
     """Same casts and share with and without fusion on BERT, so the only difference is the
     fused kernels: under onnx.reference (true fp16 rounding) every value both graphs compute

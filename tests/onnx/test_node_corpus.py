@@ -16,6 +16,8 @@ import pytest
 
 from amp_rewrite.bench import corpus, peers
 
+pytestmark = pytest.mark.slow  # ONNX's whole node-test corpus
+
 MIN_VALID = 0.99
 
 
@@ -50,7 +52,6 @@ def ort_lacks_kernel(result: dict) -> bool:
     return failure.startswith("ort:") and "NOT_IMPLEMENTED" in failure
 
 
-@pytest.mark.slow
 def test_rewrite_onnx_node_corpus_fp16(cases, amp_rewrite_converter):
     results = [corpus.run_converter(case, amp_rewrite_converter, "float16") for case in cases]
     summary = corpus.summarize(results)
@@ -60,7 +61,6 @@ def test_rewrite_onnx_node_corpus_fp16(cases, amp_rewrite_converter):
     assert summary["valid"] >= MIN_VALID, _report("float16", results)
 
 
-@pytest.mark.slow
 def test_rewrite_onnx_node_corpus_bf16(cases, amp_rewrite_converter):
     results = [corpus.run_converter(case, amp_rewrite_converter, "bfloat16") for case in cases]
     summary = corpus.summarize(results)

@@ -14,6 +14,8 @@ import pytest
 from amp_rewrite.bench import zoo
 from amp_rewrite.onnx import rewrite_onnx_model, validate
 
+pytestmark = pytest.mark.slow  # exports and runs the zoo models
+
 MODELS = ["bert", "gpt2", "t5", "bart", "vit", "swin", "resnet", "convnext", "llama",
           "whisper_encoder", "wav2vec2", "clip_vision", "segformer", "distilbert"]
 TOLERANCE = {"fp16": 1e-2, "bf16": 5e-2}

@@ -9,8 +9,9 @@ import torch
 from tests.training import _dist_worker
 from tests.training._launch import run_ranks
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
-                                reason="torch.distributed is not available")
+pytestmark = [pytest.mark.slow,  # two gloo processes (DDP)
+              pytest.mark.skipif(not torch.distributed.is_available(),
+                                 reason="torch.distributed is not available")]
 WORLD = 2
 TIMEOUT_S = 120
 

@@ -10,8 +10,9 @@ import torch
 from tests.training import _fsdp_worker
 from tests.training._launch import run_ranks
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
-                                reason="torch.distributed is not available")
+pytestmark = [pytest.mark.slow,  # two gloo processes (FSDP2)
+              pytest.mark.skipif(not torch.distributed.is_available(),
+                                 reason="torch.distributed is not available")]
 TIMEOUT_S = 180
 
 

@@ -10,6 +10,8 @@ from types import ModuleType
 
 import pytest
 
+pytestmark = pytest.mark.slow  # training to the paper's loss
+
 
 def _load_tool() -> ModuleType:
     return importlib.import_module("amp_rewrite.bench.paper")

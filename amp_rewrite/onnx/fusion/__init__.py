@@ -29,7 +29,7 @@ MS_DOMAIN = "com.microsoft"
 _SDPA_DOMAIN = "ai.onnxruntime._fusion"
 # Op keys (as in the rule files) that count as fused chains in the report.
 FUSED_OPS = frozenset({
-    "LayerNormalization", "RMSNormalization", "Gelu", "Attention",
+    "LayerNormalization", "RMSNormalization", "GroupNormalization", "Gelu", "Attention",
     "SimplifiedLayerNormalization", "RotaryEmbedding",
     *(f"{MS_DOMAIN}::{op}" for op in (
         "Gelu", "FastGelu", "BiasGelu", "QuickGelu", "SkipLayerNormalization",
@@ -37,9 +37,10 @@ FUSED_OPS = frozenset({
         "GroupQueryAttention")),
 })
 # Fused ops whose first output has the shape of the first input.
-_SHAPE_OF_INPUT0 = {"LayerNormalization", "RMSNormalization", "Gelu", "FastGelu", "BiasGelu",
-                    "QuickGelu", "SimplifiedLayerNormalization", "SkipLayerNormalization",
-                    "SkipSimplifiedLayerNormalization", "RotaryEmbedding", "GroupQueryAttention"}
+_SHAPE_OF_INPUT0 = {"LayerNormalization", "RMSNormalization", "GroupNormalization", "Gelu",
+                    "FastGelu", "BiasGelu", "QuickGelu", "SimplifiedLayerNormalization",
+                    "SkipLayerNormalization", "SkipSimplifiedLayerNormalization",
+                    "RotaryEmbedding", "GroupQueryAttention"}
 
 register_default_domain_contrib_ops()
 
@@ -88,7 +89,7 @@ def _ort_steps() -> list[FusionStep]:
     )
     from onnxscript.rewriter.rules.fusion import _layer_norm
 
-    from amp_rewrite.onnx.fusion import canonical, decoding
+    from amp_rewrite.onnx.fusion import canonical, decoding, norms
     from amp_rewrite.onnx.fusion import rules as own
 
     return [
@@ -98,6 +99,9 @@ def _ort_steps() -> list[FusionStep]:
         FusionStep("amp_rewrite.quick_gelu", _ops("Sigmoid"), own.quick_gelu_rules),
         FusionStep("rules.fusion.layer_norm", _ops("ReduceMean", "LayerNormalization"),
                    lambda: _layer_norm.layer_normalization_ruleset, min_opset=17),
+        # GroupNorm exported via InstanceNormalization: fp32 statistics (stash_type) at 21+
+        FusionStep("amp_rewrite.group_norm", _ops("InstanceNormalization"),
+                   norms.group_norm_rules, min_opset=norms.GROUP_NORM_OPSET),
         FusionStep("ort_fusions.rms_normalization", _ops("ReduceMean"),
                    lambda: rms_normalization.rms_normalization_ruleset),
         FusionStep("ort_fusions.skip_layer_normalization", _ops("LayerNormalization"),
@@ -130,7 +134,7 @@ def _onnx_steps() -> list[FusionStep]:
     from onnxscript.rewriter.ort_fusions import sdpa
     from onnxscript.rewriter.rules.fusion import _layer_norm, _rms_normalization
 
-    from amp_rewrite.onnx.fusion import canonical, decoding
+    from amp_rewrite.onnx.fusion import canonical, decoding, norms
     from amp_rewrite.onnx.fusion import rules as own
 
     return [
@@ -138,6 +142,8 @@ def _onnx_steps() -> list[FusionStep]:
                    lambda: own.gelu_rules(standard=True), min_opset=20),
         FusionStep("rules.fusion.layer_norm", _ops("ReduceMean", "LayerNormalization"),
                    lambda: _layer_norm.layer_normalization_ruleset, min_opset=17),
+        FusionStep("amp_rewrite.group_norm", _ops("InstanceNormalization"),
+                   norms.group_norm_rules, min_opset=norms.GROUP_NORM_OPSET),
         FusionStep("rules.fusion.rms_normalization", _ops("ReduceMean"),
                    lambda: _rms_normalization.rms_normalization_ruleset, min_opset=23),
         # RoPE before attention (as for ort): ONNX RotaryEmbedding-23 with the per-token

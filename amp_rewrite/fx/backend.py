@@ -1,0 +1,193 @@
+"""amp_rewrite as a ``torch.compile`` backend (DESIGN §1: dynamo is the capture).
+
+``torch.compile(model, backend="amp_rewrite", options={"dtype": "bf16"})`` (the name is
+registered by the ``torch_dynamo_backends`` entry point) or ``amp_rewrite.compile(model, ...)``.
+On each graph dynamo hands over, graph breaks included:
+
+1. ``to_aten``: re-trace the dynamo graph (torch-level ops, parameters as inputs) to a
+   pre-dispatch ATen graph with ``make_fx`` on dynamo's own fake inputs, so symbolic sizes stay
+   symbolic and every node carries ``meta['val']``;
+2. ``rewrite_graph``: the one pipeline of ``amp_rewrite.rewrite`` (rules, autocast floor,
+   min-cut casts, padding, fusion); the casts are graph ops, so autograd differentiates through
+   them and the user's FP32 parameters get FP32 gradients;
+3. ``inner``: 'inductor' (default) compiles the rewritten graph with Inductor, which does its
+   own pointwise fusion (amp_rewrite's pointwise regions are inlined back first); 'eager' runs it
+   as it is, as ``rewrite`` returns it.
+
+Every graph's report is kept, keyed weakly by the parameters it reads:
+``amp_rewrite.report(compiled)`` lists them, ``amp_rewrite.explain(compiled, name)`` searches them.
+"""
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils.weak import WeakIdKeyDictionary
+
+from amp_rewrite import arguments
+from amp_rewrite.core import report as core_report
+from amp_rewrite.errors import UsageError
+from amp_rewrite.fx import REPORT_KEY, _rewrite_graph
+from amp_rewrite.fx import explain as explain_graph
+from amp_rewrite.fx.passes import FxOptions
+from amp_rewrite.fx.pointwise import UnfuseRegions
+
+__all__ = ["backend", "compile", "explain", "report"]
+
+INNER = ("inductor", "eager")
+# the rewrite() options that make sense per dynamo graph (capture, mode, dynamic_shapes
+# belong to dynamo), with their defaults
+_REWRITE_OPTIONS = {"dtype": torch.float16, "rules": (), "keep_fp32": (),
+                    "keep_io_types": True, "device": None, "autocast_floor": True,
+                    "pad": None, "fuse": True, "emulate_gemms": None}
+_GRAPH_NUMBER = itertools.count()
+# parameter -> reports of the graphs that read it (a model's graphs, via its parameters)
+_REPORTS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensors compare elementwise
+# compiled callable -> reports of graphs without parameters, for amp_rewrite.compile
+_OWN_REPORTS: weakref.WeakKeyDictionary[Any, list[_GraphReport]] = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class _GraphReport:
+    number: int  # global compile order: sorts one model's graphs
+    report: core_report.Report
+    json: dict
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """``options=`` of the backend, checked once: a wrong one is a one-line ``UsageError``."""
+
+    fx: FxOptions
+    inner: str = "inductor"
+
+    @classmethod
+    def checked(cls, options: Mapping[str, Any] | None) -> BackendOptions:
+        if options is None:
+            options = {}
+        if not isinstance(options, Mapping):
+            raise UsageError(f"options must be a dict, got {type(options).__name__}")
+        unknown = sorted(set(options) - {*_REWRITE_OPTIONS, "inner"})
+        if unknown:
+            raise UsageError(f"unknown amp_rewrite backend option(s) {', '.join(unknown)}; "
+                             f"expected some of inner, {', '.join(_REWRITE_OPTIONS)}")
+        inner = arguments.choice(options.get("inner", "inductor"), INNER, name="inner")
+        rewrite_options = {**_REWRITE_OPTIONS,
+                           **{k: v for k, v in options.items() if k != "inner"}}
+        return cls(FxOptions.checked(**rewrite_options), inner)
+
+
+def backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
+            options: Mapping[str, Any] | None = None) -> Callable:
+    """The dynamo backend: the module docstring's three steps on one captured graph."""
+    return _Backend(BackendOptions.checked(options))(gm, example_inputs)
+
+
+class _Backend:
+    """A backend with checked options; ``owner`` (if any) also gets parameterless graphs."""
+
+    def __init__(self, options: BackendOptions) -> None:
+        self.options = options
+        self.own: list[_GraphReport] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        aten = to_aten(gm, example_inputs)
+        rewritten = _rewrite_graph(aten, self.options.fx)
+        _remember(rewritten, example_inputs, self.own)
+        if self.options.inner == "eager":
+            return rewritten
+        UnfuseRegions()(rewritten)  # Inductor fuses pointwise ops itself, casts included
+        from torch._inductor.compile_fx import compile_fx
+        return compile_fx(rewritten, example_inputs)
+
+
+def to_aten(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> torch.fx.GraphModule:
+    """The dynamo graph as a pre-dispatch ATen graph traced on dynamo's fake inputs (their
+    symbolic sizes kept); placeholders in the same order, so it takes the same inputs."""
+    fakes = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+    # dynamo's own fake mode (its shape env holds the symbolic sizes), not the backend's copy
+    # (detect_fake_mode would prefer the tracing context's, the backend's copy)
+    mode = next((v.fake_mode for v in fakes if isinstance(v, FakeTensor)), None)
+    if mode is None or len(fakes) != len(example_inputs) or any(v is None for v in fakes):
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        fakes = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x
+                 for x in example_inputs]
+    with mode:
+        return make_fx(gm, pre_dispatch=True)(*fakes)
+
+
+def _remember(gm: torch.fx.GraphModule, example_inputs: list[Any],
+              own: list[_GraphReport]) -> None:
+    entry = _GraphReport(next(_GRAPH_NUMBER), gm.meta[REPORT_KEY], gm.amp_report)
+    parameters = [x for x in example_inputs if isinstance(x, torch.nn.Parameter)]
+    for parameter in parameters:
+        _REPORTS.setdefault(parameter, []).append(entry)
+    if not parameters:
+        own.append(entry)
+
+
+def compile(model: torch.nn.Module, *, dtype: torch.dtype | str = torch.float16,  # noqa: A001
+            dynamic: bool | None = None, fullgraph: bool = False,
+            **options: Any) -> torch.nn.Module:
+    """``torch.compile(model, backend=amp_rewrite)`` with ``options`` checked now: ``inner``
+    ('inductor' | 'eager') and the ``rewrite`` options ``rules``, ``keep_fp32``,
+    ``keep_io_types``, ``device``, ``autocast_floor``, ``pad``, ``fuse``, ``emulate_gemms``.
+    The model, its ``state_dict``, hooks and optimizer stay the user's."""
+    checked = _Backend(BackendOptions.checked({**options, "dtype": dtype}))
+    compiled = torch.compile(model, backend=checked, dynamic=dynamic, fullgraph=fullgraph)
+    _OWN_REPORTS[compiled] = checked.own
+    return compiled
+
+
+def _entries(model: Any) -> list[_GraphReport]:
+    own = _OWN_REPORTS.get(model, []) if _weakrefable(model) else []
+    found = {id(e): e for e in own}
+    module = getattr(model, "_orig_mod", model)
+    if isinstance(module, torch.nn.Module):
+        for parameter in module.parameters():
+            found.update((id(e), e) for e in _REPORTS.get(parameter, []))
+    return sorted(found.values(), key=lambda e: e.number)
+
+
+def _weakrefable(model: Any) -> bool:
+    try:
+        weakref.ref(model)
+    except TypeError:
+        return False
+    return True
+
+
+def report(model: Any) -> list[dict]:
+    """The reports of every graph compiled for ``model`` (the compiled or the original
+    module), in compile order: ``[{"graph": i, "report": amp_report}]``; a GraphModule from
+    ``rewrite`` gives its one report."""
+    if isinstance(getattr(model, "amp_report", None), dict):
+        return [{"graph": 0, "report": model.amp_report}]
+    entries = _entries(model)
+    if not entries:
+        raise UsageError(f"no amp_rewrite report for this {type(model).__name__}: compile it "
+                         "with backend='amp_rewrite' and run it once (dynamo compiles on the "
+                         "first call)")
+    return [{"graph": i, "report": e.json} for i, e in enumerate(entries)]
+
+
+def explain(model: Any, node_name: str) -> list[str]:
+    """Why ``node_name`` runs low or high: for a GraphModule from ``rewrite`` as
+    ``amp_rewrite.fx.explain``; for a compiled model, the lines of every graph that has a
+    node of that name, each headed ``graph i:``."""
+    entries = [] if REPORT_KEY in getattr(model, "meta", {}) else _entries(model)
+    if not entries:
+        return explain_graph(model, node_name)
+    lines: list[str] = []
+    for i, entry in enumerate(entries):
+        if entry.report.why.get(node_name):
+            lines += [f"graph {i}:", *core_report.explain(entry.report, node_name)]
+    if not lines:  # the nearest names, from the first graph's error
+        core_report.explain(entries[0].report, node_name)
+    return lines
