@@ -22,8 +22,6 @@ import dataclasses
 import functools
 import hashlib
 import logging
-import os
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -259,15 +257,7 @@ def export(name: str, path: str | Path, *, seed: int = 0, opset: int = OPSET) ->
         )  # fmt: skip
     except Exception as e:  # torch raises many types here; all mean "could not export"
         raise CaptureError(f"decoder {name!r}: ONNX export failed: {e}") from e
-    fd, tmp = tempfile.mkstemp(suffix=".onnx.tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        program.save(tmp, external_data=False)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+    return zoo.save_program(program, path)
 
 
 def _tag() -> str:

@@ -611,6 +611,12 @@ def export_model(model: ZooModel, path: str | Path, *, opset: int | None = None,
         )  # fmt: skip
     except Exception as e:  # torch raises many types here; all mean "could not export"
         raise CaptureError(f"zoo model {model.name!r}: ONNX export failed: {e}") from e
+    return save_program(program, path)
+
+
+def save_program(program: Any, path: Path) -> Path:
+    """Save an ONNX export program to ``path`` atomically (a temp file renamed into place), so
+    concurrent exports of the same model cannot leave a half-written file behind."""
     fd, tmp = tempfile.mkstemp(suffix=".onnx.tmp", dir=path.parent)
     os.close(fd)
     try:

@@ -16,11 +16,10 @@ from onnxscript.rewriter import pattern
 
 # A dimension in a shape expression: a literal, or (value, axis) — that axis of that value.
 _Dim = Union[int, tuple[ir.Value, int]]
-_INT = (ir.DataType.INT64, ir.DataType.INT32)
 
 
-def _ints(value: ir.Value | None) -> list[int] | None:
-    """A constant integer tensor's entries (initializer or Constant output), else None."""
+def constant_array(value: ir.Value | None) -> np.ndarray | None:
+    """A constant's value (initializer or default-domain Constant output), else None."""
     if value is None:
         return None
     tensor = value.const_value
@@ -31,12 +30,21 @@ def _ints(value: ir.Value | None) -> list[int] | None:
         attr = node.attributes.get("value") or node.attributes.get("value_ints")
         if attr is None:
             return None
+        if isinstance(attr.value, (list, tuple)):
+            return np.asarray(attr.value, dtype=np.int64)
         tensor = attr.value
-        if isinstance(tensor, (list, tuple)):
-            return [int(i) for i in tensor]
-    if tensor.dtype not in _INT:
+    try:
+        return np.asarray(tensor.numpy())
+    except Exception:  # noqa: BLE001 - an unreadable constant is no proof
         return None
-    return [int(i) for i in np.asarray(tensor.numpy()).ravel()]
+
+
+def _ints(value: ir.Value | None) -> list[int] | None:
+    """A constant integer tensor's entries, else None."""
+    array = constant_array(value)
+    if array is None or array.dtype.kind not in "iu":
+        return None
+    return [int(i) for i in array.ravel()]
 
 
 def shape_expression(value: ir.Value, depth: int = 8) -> list[_Dim] | None:

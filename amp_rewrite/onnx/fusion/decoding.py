@@ -19,6 +19,8 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnxscript.rewriter import _ir_utils, pattern
 
+from amp_rewrite.onnx.fusion.canonical import constant_array as _const
+
 MS_DOMAIN = "com.microsoft"
 
 
@@ -189,25 +191,20 @@ def has_rotary_tables(nodes: list[ir.Node]) -> bool:
 _FLOAT_MIN = -1e30  # an additive mask fill this low underflows exp to exactly 0
 
 
-def _const(value: ir.Value | None):
-    """A constant's numpy value (initializer or Constant), else None."""
-    import numpy as np
-
-    if value is None:
-        return None
-    tensor = value.const_value
-    if tensor is None:
-        node = value.producer()
-        if node is None or node.op_type != "Constant" or node.domain not in ("", "ai.onnx"):
-            return None
-        attr = node.attributes.get("value")
-        if attr is None:
-            return None
-        tensor = attr.value
-    try:
-        return np.asarray(tensor.numpy())
-    except Exception:  # noqa: BLE001 - an unreadable constant is no proof
-        return None
+def _cache_and_repeat_kv(op, with_past, k_new, v_new, past_key, past_value, unsq_k, unsq_v,
+                         expand_k, expand_v, shape_k, shape_v):
+    """The pattern of the cache Concat (decode step) and transformers' ``repeat_kv`` of K and V,
+    shared by the GroupQueryAttention and the opset-23 Attention rules."""
+    if with_past:
+        k_all = op.Concat(past_key, k_new, axis=-2, _outputs=["k_all"])
+        v_all = op.Concat(past_value, v_new, axis=-2, _outputs=["v_all"])
+    else:
+        k_all, v_all = k_new, v_new
+    k_rep = op.Reshape(op.Expand(op.Unsqueeze(k_all, unsq_k), expand_k), shape_k,
+                       _outputs=["k_rep"])
+    v_rep = op.Reshape(op.Expand(op.Unsqueeze(v_all, unsq_v), expand_v), shape_v,
+                       _outputs=["v_rep"])
+    return k_all, v_all, k_rep, v_rep
 
 
 def _through_unsqueeze(value: ir.Value | None) -> ir.Value | None:
@@ -479,15 +476,9 @@ class GroupQueryAttentionFusion(pattern.RewriteRuleClassBase):
 
     def pattern(self, op, q, k_new, v_new, past_key, past_value, unsq_k, unsq_v, expand_k,
                 expand_v, shape_k, shape_v, a, b, mask, zero, out_shape):
-        if self.with_past:
-            k_all = op.Concat(past_key, k_new, axis=-2, _outputs=["k_all"])
-            v_all = op.Concat(past_value, v_new, axis=-2, _outputs=["v_all"])
-        else:
-            k_all, v_all = k_new, v_new
-        k_rep = op.Reshape(op.Expand(op.Unsqueeze(k_all, unsq_k), expand_k), shape_k,
-                           _outputs=["k_rep"])
-        v_rep = op.Reshape(op.Expand(op.Unsqueeze(v_all, unsq_v), expand_v), shape_v,
-                           _outputs=["v_rep"])
+        k_all, v_all, k_rep, v_rep = _cache_and_repeat_kv(
+            op, self.with_past, k_new, v_new, past_key, past_value, unsq_k, unsq_v, expand_k,
+            expand_v, shape_k, shape_v)
         scores = op.MatMul(op.Mul(q, a), op.Mul(op.Transpose(k_rep, perm=[0, 1, 3, 2]), b))
         probs = op.Softmax(op.Add(scores, mask), axis=-1)
         guarded = op.Where(op.IsNaN(probs), zero, probs)
@@ -617,15 +608,9 @@ class AttentionKVCacheFusion(pattern.RewriteRuleClassBase):
 
     def pattern(self, op, q, k_new, v_new, past_key, past_value, unsq_k, unsq_v, expand_k,
                 expand_v, shape_k, shape_v, mask):
-        if self.with_past:
-            k_all = op.Concat(past_key, k_new, axis=-2, _outputs=["k_all"])
-            v_all = op.Concat(past_value, v_new, axis=-2, _outputs=["v_all"])
-        else:
-            k_all, v_all = k_new, v_new
-        k_rep = op.Reshape(op.Expand(op.Unsqueeze(k_all, unsq_k), expand_k), shape_k,
-                           _outputs=["k_rep"])
-        v_rep = op.Reshape(op.Expand(op.Unsqueeze(v_all, unsq_v), expand_v), shape_v,
-                           _outputs=["v_rep"])
+        k_all, v_all, k_rep, v_rep = _cache_and_repeat_kv(
+            op, self.with_past, k_new, v_new, past_key, past_value, unsq_k, unsq_v, expand_k,
+            expand_v, shape_k, shape_v)
         y = op.Attention(q, k_rep, v_rep, mask, _outputs=["y"])
         return (y, k_all, v_all) if self.with_past else y
 

@@ -23,7 +23,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from amp_rewrite.onnx.fusion.canonical import _ints, shape_expression
-from amp_rewrite.onnx.fusion.decoding import _const
+from amp_rewrite.onnx.fusion.canonical import constant_array as _const
 from amp_rewrite.onnx.fusion.rules import _either, _is_float
 
 GROUP_NORM_OPSET = 21  # per-channel scale/bias and stash_type statistics
