@@ -20,9 +20,11 @@ from amp_rewrite.training import AmpOptimizer
 
 pytestmark = pytest.mark.slow  # trains Hugging Face models
 
-# a causal LM and an encoder classifier of the zoo, with the config keys of their dropout
+# causal LMs and an encoder classifier of the zoo, with the config keys of their dropout
 MODELS = {"gpt2": ("resid_pdrop", "embd_pdrop", "attn_pdrop"),
+          "llama": ("attention_dropout",),
           "roberta": ("hidden_dropout_prob", "attention_probs_dropout_prob")}
+CAUSAL = {"gpt2", "llama"}
 LR = 1e-3
 
 
@@ -35,7 +37,7 @@ def _hf_model(name: str, dropout: bool = True) -> torch.nn.Module:
 def _batch(name: str, seed: int, batch: int, seq: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, 128, (batch, seq), generator=g)
-    labels = ids if name == "gpt2" else torch.randint(0, 3, (batch,), generator=g)
+    labels = ids if name in CAUSAL else torch.randint(0, 3, (batch,), generator=g)
     return {"input_ids": ids, "labels": labels}
 
 
@@ -70,7 +72,7 @@ def autocast_losses(model: torch.nn.Module, name: str, dtype: str, steps: int) -
     for step in range(steps):
         batch = _batch(name, 100 + step, 4, 16)
         with torch.autocast("cpu", dtype=low):
-            loss = model(**batch, use_cache=False).loss if name == "gpt2" else \
+            loss = model(**batch, use_cache=False).loss if name in CAUSAL else \
                 model(**batch).loss
         scaler.scale(loss).backward()
         scaler.step(opt)
