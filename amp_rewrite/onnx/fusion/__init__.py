@@ -117,8 +117,12 @@ def _ort_steps() -> list[FusionStep]:
                    rounds=1, wanted=_softmax_feeds_matmul),
         # GQA decoders (head repeat + KV-cache Concat + causal/padding mask from
         # attention_mask) before SDPA takes their attention; declines leave it to SDPA/MHA.
-        FusionStep("amp_rewrite.group_query_attention", _ops("Softmax"), decoding.gqa_rules,
-                   rounds=1, wanted=_softmax_feeds_matmul),
+        FusionStep("amp_rewrite.group_query_attention", _ops("Softmax"),
+                   decoding.gqa_decode_rules, rounds=1,
+                   wanted=lambda nodes: decoding.has_kv_cache(nodes)
+                   and _softmax_feeds_matmul(nodes)),
+        FusionStep("amp_rewrite.group_query_attention.prompt", _ops("Softmax"),
+                   decoding.gqa_prompt_rules, rounds=1, wanted=_softmax_feeds_matmul),
         # SDPA is an intermediate function call; the next step turns it into
         # MultiHeadAttention and _finish inlines any call it could not convert.
         FusionStep("ort_fusions.sdpa", _ops("Softmax"),
@@ -161,7 +165,11 @@ def _onnx_steps() -> list[FusionStep]:
         # KV-cache decoders: the Attention (this step's or the exporter's) takes past_key/
         # past_value itself and the head repeat goes (GQA through 4-D head counts).
         FusionStep("amp_rewrite.attention_kv_cache", _ops("Attention"),
-                   decoding.attention23_rules, min_opset=23, rounds=1,
+                   decoding.attention23_decode_rules, min_opset=23, rounds=1,
+                   wanted=lambda nodes: decoding.has_kv_cache(nodes)
+                   and decoding.attention_reads_head_repeat(nodes)),
+        FusionStep("amp_rewrite.attention_kv_cache.prompt", _ops("Attention"),
+                   decoding.attention23_prompt_rules, min_opset=23, rounds=1,
                    wanted=decoding.attention_reads_head_repeat),
     ]
 
@@ -297,9 +305,10 @@ class _RootFiltered:
     def __init__(self, rule, step: str) -> None:
         self._rule = rule
         self._step = step
-        roots = rule._target_pattern.output_nodes
-        ops = [n.op_identifier() for n in roots]
-        self._root_ops = {op[1] for op in ops} if len(roots) == 1 and None not in ops else None
+        # onnxscript matches the node it is given against the pattern's first output node
+        # (the others by trying node combinations), so that node's op type is a sure filter
+        first = rule._target_pattern.output_nodes[0].op_identifier()
+        self._root_ops = None if first is None else {first[1]}
 
     def try_rewrite(self, model, graph_or_function, node, **kwargs):
         if self._root_ops is not None and node.op_type not in self._root_ops:

@@ -568,9 +568,23 @@ class GroupQueryAttentionFusion(pattern.RewriteRuleClassBase):
         self._found = {}
 
 
-def gqa_rules():
-    return pattern.RewriteRuleSet([GroupQueryAttentionFusion.rule(with_past=True),
-                                   GroupQueryAttentionFusion.rule(with_past=False)])
+def gqa_decode_rules():
+    return pattern.RewriteRuleSet([GroupQueryAttentionFusion.rule(with_past=True)])
+
+
+def gqa_prompt_rules():
+    return pattern.RewriteRuleSet([GroupQueryAttentionFusion.rule(with_past=False)])
+
+
+def has_kv_cache(nodes: list[ir.Node]) -> bool:
+    """Whether a graph input is concatenated on axis -2 (a past K/V cache): the decode-step
+    rules have several output nodes, which onnxscript matches by trying node combinations,
+    so they run only on graphs that can hold a match."""
+    for node in nodes:
+        if node.op_type == "Concat" and node.attributes.get_int("axis", 0) in (-2, 2) and any(
+                v is not None and v.is_graph_input() for v in node.inputs):
+            return True
+    return False
 
 
 # ------------------------------------------------------------ ONNX Attention-23 (--target onnx)
@@ -669,9 +683,12 @@ class AttentionKVCacheFusion(pattern.RewriteRuleClassBase):
         self._found = {}
 
 
-def attention23_rules():
-    return pattern.RewriteRuleSet([AttentionKVCacheFusion.rule(with_past=True),
-                                   AttentionKVCacheFusion.rule(with_past=False)])
+def attention23_decode_rules():
+    return pattern.RewriteRuleSet([AttentionKVCacheFusion.rule(with_past=True)])
+
+
+def attention23_prompt_rules():
+    return pattern.RewriteRuleSet([AttentionKVCacheFusion.rule(with_past=False)])
 
 
 def attention_reads_head_repeat(nodes: list[ir.Node]) -> bool:
