@@ -612,3 +612,23 @@ def test_target_onnx_attention_declines_and_the_plain_attention_stays(mutation):
     assert len(attention) == decoders.LAYERS
     assert all(len(n.inputs) == 4 and n.inputs[1].producer().op_type == "Reshape"
                for n in attention)
+
+
+@pytest.mark.slow
+def test_gqa_fuses_every_layer_of_a_deeper_decoder(tmp_path, monkeypatch):
+    """At 8 layers the exporter reads the batch size off a cache input instead of
+    attention_mask (the same symbolic dim): every layer still fuses, and the decode step
+    stays within fp16 tolerance of PyTorch FP32."""
+    import onnxruntime as ort
+
+    from amp_rewrite.onnx import rewrite_onnx
+
+    monkeypatch.setattr(decoders, "LAYERS", 8)
+    path = decoders.export("llama-decode", tmp_path / "llama-decode-8.onnx")
+    mixed = rewrite_onnx(path)
+    assert sum(n.op_type == "GroupQueryAttention" for n in mixed.graph.node) == 8
+    feeds = decoders.inputs("llama-decode")
+    session = ort.InferenceSession(mixed.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = session.run(None, feeds)
+    for ours, want in zip(got, decoders.torch_reference("llama-decode", feeds)):
+        assert np.abs(ours.astype(np.float32) - want).max() <= 1e-2 * np.abs(want).max()

@@ -357,15 +357,25 @@ class _MaskProof:
         return self._no(self.fail or "no causal term in the mask")
 
     def _mask_dim(self, value: ir.Value | None, axis: int) -> bool:
+        """Whether ``value`` is ``attention_mask.shape[axis]``: read from the mask itself, or
+        (once the mask is known) from another graph input whose dimension carries the same
+        symbolic dim, which the exporter proved equal (it takes the batch size from whichever
+        input it likes: a deeper export reads it off ``past_key_values.6.value``)."""
         dim = _dim_of(value)
-        if dim is None or dim[1] != axis:
+        if dim is None:
             return False
-        source = dim[0]
+        source, source_axis = dim
         if self.attention_mask is None:
-            if source not in self.inputs or source.shape is None or len(source.shape) != 2:
+            if source_axis != axis or source not in self.inputs or source.shape is None \
+                    or len(source.shape) != 2:
                 return False
             self.attention_mask = source
-        return source is self.attention_mask
+        if source is self.attention_mask:
+            return source_axis == axis
+        mask_dim = self.attention_mask.shape[axis]
+        return (source.is_graph_input() and source.shape is not None
+                and not isinstance(mask_dim, int)
+                and _same_dim(source.shape[source_axis], mask_dim))
 
     def _causal(self, value: ir.Value) -> ir.Value | None:
         node = _producer(value, "LessOrEqual")
