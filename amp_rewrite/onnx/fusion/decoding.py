@@ -578,12 +578,14 @@ class GroupQueryAttentionFusion(pattern.RewriteRuleClassBase):
         self._found = {}
 
 
-def gqa_decode_rules():
-    return pattern.RewriteRuleSet([GroupQueryAttentionFusion.rule(with_past=True)])
+def _rule_set(cls, with_past: bool):
+    """A rule-set factory for one variant of a cache-aware attention rule (decode step with
+    ``with_past``, prompt without): the fusion steps make their rules lazily."""
+    return lambda: pattern.RewriteRuleSet([cls.rule(with_past=with_past)])
 
 
-def gqa_prompt_rules():
-    return pattern.RewriteRuleSet([GroupQueryAttentionFusion.rule(with_past=False)])
+gqa_decode_rules = _rule_set(GroupQueryAttentionFusion, True)
+gqa_prompt_rules = _rule_set(GroupQueryAttentionFusion, False)
 
 
 def has_kv_cache(nodes: list[ir.Node]) -> bool:
@@ -693,12 +695,8 @@ class AttentionKVCacheFusion(pattern.RewriteRuleClassBase):
         self._found = {}
 
 
-def attention23_decode_rules():
-    return pattern.RewriteRuleSet([AttentionKVCacheFusion.rule(with_past=True)])
-
-
-def attention23_prompt_rules():
-    return pattern.RewriteRuleSet([AttentionKVCacheFusion.rule(with_past=False)])
+attention23_decode_rules = _rule_set(AttentionKVCacheFusion, True)
+attention23_prompt_rules = _rule_set(AttentionKVCacheFusion, False)
 
 
 def attention_reads_head_repeat(nodes: list[ir.Node]) -> bool:
