@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from amp_rewrite.errors import (AmpRewriteError, ModelError, OutputCheckError, UsageError,
-                                ValidationError)
+                                ValidationError, first_line)
 
 logger = logging.getLogger("amp_rewrite")
 
@@ -293,8 +293,8 @@ def _blame_invalid_input(path: Path) -> None:
     try:
         onnx.checker.check_model(proto, full_check=True)
     except Exception as e:  # noqa: BLE001 - the checker raises several types
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelError(f"{path}: the model fails ONNX type and shape inference ({first}); "
+        raise ModelError(f"{path}: the model fails ONNX type and shape inference "
+                         f"({first_line(e)}); "
                          "fix the model (see onnx.checker.check_model(path, full_check=True))"
                          ) from None
 

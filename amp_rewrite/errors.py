@@ -51,3 +51,9 @@ def first_line(error: BaseException) -> str:
     """The first line of an error's message (tool errors run to pages), else its type name."""
     lines = str(error).strip().splitlines()
     return lines[0] if lines else type(error).__name__
+
+
+def described(error: BaseException) -> str:
+    """``Type: first line`` of an error, for one-line logs."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"

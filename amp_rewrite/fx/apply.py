@@ -133,12 +133,17 @@ def _retarget_sentinels(view: FxView, plan: PrecisionPlan) -> int:
     return retargeted
 
 
+def after_producer(graph: torch.fx.Graph, value: Node) -> Node:
+    """The node a conversion of ``value`` goes after: ``value``, or the last placeholder
+    (placeholders stay together at the top)."""
+    if value.op != "placeholder":
+        return value
+    return [n for n in graph.nodes if n.op == "placeholder"][-1]
+
+
 def insert_cast(graph: torch.fx.Graph, value: Node, dtype: torch.dtype) -> Node:
     """A tagged ``_to_copy(value, dtype=dtype)`` right after the value's producer."""
-    anchor = value
-    if value.op == "placeholder":  # keep placeholders together at the top
-        anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
-    with graph.inserting_after(anchor):
+    with graph.inserting_after(after_producer(graph, value)):
         node = graph.create_node("call_function", torch.ops.aten._to_copy.default, (value,),
                                  {"dtype": dtype}, name=f"{value.name}_{_SHORT[dtype]}")
     node.meta[CAST_TAG] = True

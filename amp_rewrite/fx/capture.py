@@ -55,11 +55,18 @@ def normalize_inputs(example_inputs: Any, example_kwargs: Mapping[str, Any] | No
     return tuple(example_inputs), dict(example_kwargs or {})
 
 
+def _forward_signature(module: torch.nn.Module) -> inspect.Signature | None:
+    """``module.forward``'s signature; None for builtins and C++ modules."""
+    try:
+        return inspect.signature(module.forward)
+    except (TypeError, ValueError):
+        return None
+
+
 def check_signature(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     """Raise UsageError when the example inputs cannot bind to ``module.forward``."""
-    try:
-        sig = inspect.signature(module.forward)
-    except (TypeError, ValueError):  # builtins or C++ modules: let the tracer decide
+    sig = _forward_signature(module)
+    if sig is None:  # let the tracer decide
         return
     try:
         sig.bind(*args, **kwargs)
@@ -71,12 +78,10 @@ def check_signature(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
 def _positional_landing(module: torch.nn.Module, args: tuple) -> str:
     """Where positional example inputs went, for errors: a tensor meant as the attention mask
     that lands in GPT-2's second parameter (its cache) fails far from the call."""
-    if len(args) < 2:
+    sig = _forward_signature(module)
+    if len(args) < 2 or sig is None:
         return ""
-    try:
-        names = list(inspect.signature(module.forward).parameters)
-    except (TypeError, ValueError):
-        return ""
+    names = list(sig.parameters)
     landed = [f"#{i + 1} -> {name!r}" for i, name in enumerate(names[:len(args)])]
     return (f" (positional example inputs bind in forward's order: {', '.join(landed)}; pass "
             "the others by keyword, example_kwargs={'attention_mask': ...})")
@@ -93,11 +98,8 @@ def _without_cache_output(module: torch.nn.Module, kwargs: dict) -> dict:
     if _CACHE_KEYWORD in kwargs or not getattr(getattr(module, "config", None),
                                                _CACHE_KEYWORD, False):
         return kwargs
-    try:
-        parameters = inspect.signature(module.forward).parameters
-    except (TypeError, ValueError):
-        return kwargs
-    if _CACHE_KEYWORD not in parameters:  # encoders take it only through **kwargs, unused
+    sig = _forward_signature(module)
+    if sig is None or _CACHE_KEYWORD not in sig.parameters:  # encoders: only via **kwargs
         return kwargs
     if type(module) not in _ANNOUNCED:  # once, not per capture (mode="both" makes two)
         _ANNOUNCED.add(type(module))

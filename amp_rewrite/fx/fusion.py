@@ -156,9 +156,9 @@ class _Match:
     optional: set[Node] = field(default_factory=set)  # erased only when nothing else reads them
 
 
-def _private(match: _Match, keep: set[Node] = frozenset()) -> bool:
-    """No matched node other than the output (and ``keep``) is read outside the match."""
-    for node in match.nodes - {match.output} - set(keep):
+def _private(match: _Match) -> bool:
+    """No matched node other than the output is read outside the match."""
+    for node in match.nodes - {match.output}:
         if any(u not in match.nodes for u in _readers(node)):
             return False
     return True

@@ -21,7 +21,7 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 from amp_rewrite.core import OpClass, RuleSet
 from amp_rewrite.errors import UsageError
 from amp_rewrite.fx import opkeys
-from amp_rewrite.fx.apply import set_arg
+from amp_rewrite.fx.apply import after_producer, set_arg
 from amp_rewrite.fx.capture import refresh_fake_values
 from amp_rewrite.fx.passes import storage_aliases
 from amp_rewrite.fx.view import NO_LOW_KERNEL, is_cast, tensor_args
@@ -105,10 +105,7 @@ class ConvertForeignFloats(PassBase):
 
     @staticmethod
     def _convert_reads(graph: torch.fx.Graph, node: Node, dtype: torch.dtype) -> None:
-        anchor = node
-        if node.op == "placeholder":  # keep placeholders together at the top
-            anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
-        with graph.inserting_after(anchor):
+        with graph.inserting_after(after_producer(graph, node)):
             conversion = graph.call_function(_TO_COPY, (node,), {"dtype": dtype})
         conversion.meta[FOREIGN_TAG] = True
         conversion.meta["val"] = node.meta["val"].to(dtype)

@@ -26,6 +26,8 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 from torch.fx.passes.operator_support import OperatorSupportBase
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 
+from amp_rewrite.errors import described
+
 log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
@@ -213,7 +215,7 @@ def _compile(region: torch.fx.GraphModule, args: Sequence[torch.Tensor]) -> Call
         compiled = compile_fx(copy.deepcopy(region), list(args),
                               config_patches={"emulate_precision_casts": True})
     except Exception as e:  # noqa: BLE001 - any compiler failure: run eager, say so once
-        _STATE["broken"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        _STATE["broken"] = described(e)
         log.warning("fused pointwise regions run eager: Inductor could not compile them (%s)",
                     _STATE["broken"])
         return None

@@ -353,13 +353,20 @@ def _cast_node(value: ir.Value, target: ir.DataType, namer: _Namer, cast: CastPl
                    metadata_props={INSERTED_TAG: "cast", REASON_KEY:
                                    f"{len(cast.consumers)} consumer(s) need {cast.to.value} "
                                    "precision (exact min-cut placement)"})
+    insert_after_producer(node, value, source[0] if source is not None else value.graph)
+    return out
+
+
+def insert_after_producer(node: ir.Node, value: ir.Value, graph: ir.Graph) -> None:
+    """Insert ``node`` right after ``value``'s producer, or first in ``graph`` where ``value``
+    has none (a graph input, initializer or a control-flow body's input)."""
     producer = value.producer()
     if producer is not None:
         producer.graph.insert_after(producer, node)
-    else:  # a graph input, initializer or a control-flow body's input
-        g = source[0] if source is not None else value.graph
-        g.insert_before(g[0], node) if len(g) else g.append(node)
-    return out
+    elif len(graph):
+        graph.insert_before(graph[0], node)
+    else:
+        graph.append(node)
 
 
 def _rewire(view: OnnxView, consumers: tuple[Hashable, ...], old: ir.Value, new: ir.Value,

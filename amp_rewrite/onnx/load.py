@@ -15,7 +15,7 @@ import onnx
 import onnx.inliner
 import onnx_ir as ir
 
-from amp_rewrite.errors import ModelError, UsageError, first_line
+from amp_rewrite.errors import ModelError, UsageError, described, first_line
 from amp_rewrite.runtime import Background
 
 logger = logging.getLogger(__name__)
@@ -52,8 +52,7 @@ class _OneLine(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info:
             error = record.exc_info[1]
-            record.msg = f"{record.getMessage()} ({type(error).__name__}: " \
-                         f"{str(error).strip().splitlines()[0] if str(error).strip() else ''})"
+            record.msg = f"{record.getMessage()} ({described(error)})"
             record.args, record.exc_info, record.exc_text = (), None, None
             record.levelno, record.levelname = logging.INFO, "INFO"
         return True
@@ -441,8 +440,8 @@ TensorFact = tuple[ir.DataType, int | None]
 _KNOWN_ELEM_TYPES = frozenset(int(d) for d in ir.DataType)  # (dtype, bytes in fp32 or None)
 
 
-def _tensor_facts(graph: onnx.GraphProto, by_type: dict[bytes, TensorFact | None],
-                  nested: bool = True) -> dict[str, TensorFact]:
+def _tensor_facts(graph: onnx.GraphProto, by_type: dict[bytes, TensorFact | None]
+                  ) -> dict[str, TensorFact]:
     """name -> fact for every inferred tensor, subgraphs included; parsed once per distinct
     TypeProto (``by_type``), as models repeat a few types thousands of times."""
     facts = {}
@@ -453,7 +452,7 @@ def _tensor_facts(graph: onnx.GraphProto, by_type: dict[bytes, TensorFact | None
         fact = by_type[key]
         if fact is not None:
             facts[vi.name] = fact
-    for sub in _subgraph_protos(graph) if nested else ():
+    for sub in _subgraph_protos(graph):
         facts.update(_tensor_facts(sub, by_type))
     return facts
 

@@ -23,7 +23,7 @@ import onnx_ir.passes.common
 from amp_rewrite.core.padding import (AxisPad, PadGraph, PadInput, PadKind, PadOp,
                                       PaddingPlan, PadPolicy, PadValue, is_aligned,
                                       padding_report, plan_padding)
-from amp_rewrite.onnx.apply import REASON_KEY, _Namer
+from amp_rewrite.onnx.apply import REASON_KEY, _Namer, insert_after_producer
 from amp_rewrite.onnx.view import INSERTED_TAG
 
 logger = logging.getLogger(__name__)
@@ -287,10 +287,7 @@ class _Applier:
 
     def _retype_produced(self) -> None:
         for value, pad in self.plan.produced.items():
-            if value.shape is not None:
-                dims = list(value.shape)
-                dims[pad.axis] = pad.padded
-                value.shape = ir.Shape(dims)
+            value.shape = _padded_shape(value.shape, (pad,))
 
     def _version(self, value: ir.Value, pads: tuple[AxisPad, ...]) -> ir.Value:
         key = (value, pads)
@@ -322,12 +319,8 @@ class _Applier:
             self._pad_in_place(value, pads)
             self.stats.weights_padded_in_place += 1
             return value
-        array = _padded_array(_constant_array(value), pads)
-        name = self.namer(f"{value.name}_pad{self.plan.policy.multiple}")
-        new = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(value.dtype),
-                       const_value=ir.Tensor(array, name=name))
-        self.graph.register_initializer(new)
-        return new
+        return self._initializer(f"{value.name}_pad{self.plan.policy.multiple}",
+                                 _padded_array(_constant_array(value), pads))
 
     def _pads_in_place(self, value: ir.Value, pads: tuple[AxisPad, ...]) -> bool:
         """Every reader wants these pads, gathers rows along the only padded axis, or is a
@@ -360,13 +353,14 @@ class _Applier:
         value.shape = _padded_shape(value.shape, pads)
 
     # -- runtime nodes ---------------------------------------------------------------------
-    def _int64(self, base: str, values: list[int]) -> ir.Value:
+    def _initializer(self, base: str, array: np.ndarray) -> ir.Value:
         name = self.namer(base)
-        v = ir.Value(name=name, shape=ir.Shape([len(values)]),
-                     type=ir.TensorType(ir.DataType.INT64),
-                     const_value=ir.Tensor(np.array(values, dtype=np.int64), name=name))
-        self.graph.register_initializer(v)
-        return v
+        value = ir.val(name, const_value=ir.Tensor(array, name=name))
+        self.graph.register_initializer(value)
+        return value
+
+    def _int64(self, base: str, values: list[int]) -> ir.Value:
+        return self._initializer(base, np.array(values, dtype=np.int64))
 
     def _pad_node(self, value: ir.Value, pads: tuple[AxisPad, ...]) -> ir.Value:
         rank = len(value.shape)
@@ -374,12 +368,8 @@ class _Applier:
         for p in pads:
             if isinstance(p.size, int):
                 widths[rank + p.axis] = p.padded - p.size
-        fills = {p.fill for p in pads}
-        fill_name = self.namer(f"{value.name}_padfill")
-        fill = ir.Value(name=fill_name, shape=ir.Shape([]), type=value.type,
-                        const_value=ir.Tensor(np.array(fills.pop(), dtype=_np_dtype(value)),
-                                              name=fill_name))
-        self.graph.register_initializer(fill)
+        fill = self._initializer(f"{value.name}_padfill",
+                                 np.array(pads[0].fill, dtype=value.dtype.numpy()))
         nodes: list[ir.Node] = []
         amounts = self._pad_amounts(nodes, value, widths,
                                     [p for p in pads if isinstance(p.size, str)])
@@ -388,8 +378,7 @@ class _Applier:
         nodes.append(ir.Node("", "Pad", [value, amounts, fill],
                              outputs=[out], name=f"amp_pad_{out.name}",
                              metadata_props={INSERTED_TAG: "pad", REASON_KEY: _why(pads)}))
-        for node in reversed(nodes):  # each goes right after the producer: reverse order
-            self._insert_after(value, node)
+        self._insert_after(value, nodes)
         self.stats.pads_inserted += 1
         return out
 
@@ -406,8 +395,7 @@ class _Applier:
             at = rank + p.axis
             if at > start:
                 parts.append(self._int64(f"{value.name}_pads", widths[start:at]))
-            size = self._node(nodes, "Gather", [self._node(nodes, "Shape", [value]),
-                                                self._int64("amp_axis", [p.axis])])
+            size = self._runtime_dim(nodes, value, p.axis)
             rest = self._node(nodes, "Sub", [multiple, self._node(nodes, "Mod",
                                                                   [size, multiple])])
             parts.append(self._node(nodes, "Mod", [rest, multiple]))
@@ -428,16 +416,18 @@ class _Applier:
         nodes.append(node)
         return out
 
+    def _runtime_dim(self, nodes: list[ir.Node], value: ir.Value, axis: int) -> ir.Value:
+        """``value``'s runtime size along ``axis`` (1-D): Gather(Shape(value), [axis])."""
+        return self._node(nodes, "Gather", [self._node(nodes, "Shape", [value]),
+                                            self._int64("amp_axis", [axis])])
+
     def _symbol_size(self, symbol: str) -> ir.Value:
         """The runtime size of ``symbol`` (1-D), from the graph input that names it."""
         if symbol not in self.symbol_sizes:
             source, axis = self.symbols[symbol]
             nodes: list[ir.Node] = []
-            size = self._node(nodes, "Gather", [self._node(nodes, "Shape", [source]),
-                                                self._int64("amp_axis", [axis])])
-            for node in reversed(nodes):
-                self._insert_after(source, node)
-            self.symbol_sizes[symbol] = size
+            self.symbol_sizes[symbol] = self._runtime_dim(nodes, source, axis)
+            self._insert_after(source, nodes)
         return self.symbol_sizes[symbol]
 
     def _slice_node(self, value: ir.Value, pad: AxisPad) -> ir.Value:
@@ -453,18 +443,13 @@ class _Applier:
         node = ir.Node("", "Slice", inputs, outputs=[out], name=f"amp_slice_{out.name}",
                        metadata_props={INSERTED_TAG: "slice",
                                        REASON_KEY: "the padded layout ends here"})
-        self._insert_after(value, node)
+        self._insert_after(value, [node])
         self.stats.slices_inserted += 1
         return out
 
-    def _insert_after(self, value: ir.Value, node: ir.Node) -> None:
-        producer = value.producer()
-        if producer is not None and producer.graph is self.graph:
-            self.graph.insert_after(producer, node)
-        elif len(self.graph):
-            self.graph.insert_before(self.graph[0], node)
-        else:
-            self.graph.append(node)
+    def _insert_after(self, value: ir.Value, nodes: list[ir.Node]) -> None:
+        for node in reversed(nodes):  # each goes right after the producer: reverse order
+            insert_after_producer(node, value, self.graph)
 
     def _slice_graph_output(self, index: int) -> None:
         """The graph output keeps its name and shape: its Slice takes both."""
@@ -525,10 +510,6 @@ def _constant_array(value: ir.Value) -> np.ndarray:
 
 def _why(pads: tuple[AxisPad, ...]) -> str:
     return ", ".join(f"axis {p.axis}: {p.size}→{p.padded}" for p in pads)
-
-
-def _np_dtype(value: ir.Value) -> np.dtype:
-    return value.dtype.numpy()
 
 
 def _padded_shape(shape: ir.Shape | None, pads: tuple[AxisPad, ...]) -> ir.Shape | None:

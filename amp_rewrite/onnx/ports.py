@@ -85,27 +85,15 @@ def _port_signature(v: ir.Value | None) -> object:
     return t.dtype if isinstance(t, ir.TensorType) else "other"
 
 
-_CACHE: dict[tuple, tuple[PortGroup, ...]] = {}
-
-
 def signature(node: ir.Node, opset: int, low: LowDtype) -> tuple:
     """What ``port_groups`` depends on: the op, its opset and its ports' types (dtypes)."""
     return (node.domain, node.op_type, opset, low,
             tuple(map(_port_signature, node.inputs)), tuple(map(_port_signature, node.outputs)))
 
 
-def port_groups(node: ir.Node, opset: int, low: LowDtype,
-                key: tuple | None = None) -> tuple[PortGroup, ...]:
-    """Group the node's candidate ports (module docstring), cached by ``signature``."""
-    if key is None:
-        key = signature(node, opset, low)
-    cached = _CACHE.get(key)
-    if cached is None:
-        cached = _CACHE[key] = tuple(_port_groups(node, opset, low))
-    return cached
-
-
-def _port_groups(node: ir.Node, opset: int, low: LowDtype) -> list[PortGroup]:
+def port_groups(node: ir.Node, opset: int, low: LowDtype) -> list[PortGroup]:
+    """Group the node's candidate ports (module docstring); the view caches the groups by
+    ``signature``."""
     low_ir = to_ir_dtype(low)
     ins = [i for i, v in enumerate(node.inputs) if is_candidate(v, low_ir)]
     outs = [i for i, v in enumerate(node.outputs) if is_candidate(v, low_ir)]

@@ -70,9 +70,8 @@ def load_feeds(data: Mapping[str, np.ndarray] | str | os.PathLike) -> dict[str, 
         with np.load(data, allow_pickle=False) as npz:
             return {k: npz[k] for k in npz.files}
     except Exception as e:  # noqa: BLE001 - OSError, ValueError, BadZipFile, pickled objects
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UsageError(f"{data}: cannot read calibration data ({first}); pass an .npz "
-                         "whose keys are the model's input names") from None
+        raise UsageError(f"{data}: cannot read calibration data ({first_line(e)}); pass an "
+                         ".npz whose keys are the model's input names") from None
 
 
 def _as_array(name: str, value) -> np.ndarray:

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 import onnx
 import onnx_ir as ir
 
-from amp_rewrite.errors import ModelError, UsageError
+from amp_rewrite.errors import ModelError, UsageError, first_line
 from amp_rewrite.onnx.load import model_graphs
 
 logger = logging.getLogger(__name__)
@@ -123,7 +123,7 @@ def convert_opset(model: ir.Model, target: int) -> ir.Model:
         converted = version_converter.convert_version(proto, target)
     except Exception as e:  # the converter raises RuntimeError/ValueError/ConvertError
         raise ModelError(f"cannot convert the model from opset {current} to {target}: "
-                         f"{str(e).strip().splitlines()[0] if str(e).strip() else e!r}; "
+                         f"{first_line(e)}; "
                          "convert it yourself or leave --opset out") from None
     logger.info("converted opset %d -> %d", current, target)
     return ir.from_proto(converted)

@@ -231,14 +231,15 @@ def _fixed_port_groups(node: ir.Node, opset: int, low: LowDtype, low_ir: ir.Data
     cached = _FIXED_GROUPS.get(key)
     if cached is None:
         cached = _FIXED_GROUPS[key] = tuple(
-            (pg, *_group_fix(pg, _ports(node, pg), low_ir, False))
-            for pg in port_groups(node, opset, low, key))
+            (pg, *_group_fix(pg, _ports(node, pg), low_ir))
+            for pg in port_groups(node, opset, low))
     return cached
 
 
 def _tagged(node: ir.Node, groups, low_ir: ir.DataType):
     """A cast amp_rewrite inserted keeps its types: its groups fixed as they are."""
-    return tuple((pg, *_group_fix(pg, _ports(node, pg), low_ir, True)) for pg, _, _ in groups)
+    return tuple((pg, _current(_ports(node, pg)[0], low_ir),
+                  "a cast inserted by amp_rewrite keeps its types") for pg, _, _ in groups)
 
 
 def _ports(node: ir.Node, pg: PortGroup) -> list[ir.Value]:
@@ -271,10 +272,8 @@ def cast_dtypes(cast: ir.Node) -> tuple[ir.DataType | None, ir.DataType | None]:
     return cast.inputs[0].dtype, cast.outputs[0].dtype
 
 
-def _group_fix(pg: PortGroup, values, low_ir, tagged) -> tuple[Precision | None, str]:
+def _group_fix(pg: PortGroup, values, low_ir) -> tuple[Precision | None, str]:
     dtypes = {v.dtype for v in values}
-    if tagged:
-        return _current(values[0], low_ir), "a cast inserted by amp_rewrite keeps its types"
     if pg.fixed_reason:
         return Precision.HIGH if ir.DataType.FLOAT in dtypes else Precision.LOW, pg.fixed_reason
     if dtypes == {low_ir}:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
-from amp_rewrite.errors import UsageError
+from amp_rewrite.errors import UsageError, described
 from amp_rewrite.onnx.load import model_graphs, unlink_graph
 from amp_rewrite.onnx.fusion.schemas import register_default_domain_contrib_ops, runtime_schema
 
@@ -176,10 +176,14 @@ def _onnx_steps() -> list[FusionStep]:
 
 def fusion_steps(target: str, opset: int) -> list[FusionStep]:
     """The steps for a target, those the model's default-domain opset admits."""
+    steps = _ort_steps() if _checked(target) == "ort" else _onnx_steps()
+    return [s for s in steps if opset >= s.min_opset]
+
+
+def _checked(target: str) -> str:
     if target not in TARGETS:
         raise UsageError(f"unknown fusion target {target!r}; use one of {', '.join(TARGETS)}")
-    steps = _ort_steps() if target == "ort" else _onnx_steps()
-    return [s for s in steps if opset >= s.min_opset]
+    return target
 
 
 def _all_nodes(model: ir.Model) -> list[ir.Node]:
@@ -193,9 +197,7 @@ class FusionPass(ir.passes.InPlacePass):
 
     def __init__(self, target: str = "ort") -> None:
         super().__init__()
-        if target not in TARGETS:
-            raise UsageError(f"unknown fusion target {target!r}; use one of {', '.join(TARGETS)}")
-        self.target = target
+        self.target = _checked(target)
         self.fused: dict[str, int] = {}
         self.rule_hits: dict[str, int] = {}
         self._created: set[int] = set()  # ids of the nodes this run created
@@ -289,7 +291,7 @@ _DECLINED: set[tuple[str, str]] = set()  # (rule, reason) pairs already warned a
 def _decline_once(rule: str, error: BaseException) -> None:
     """One WARNING per rule and kind of failure per process: the rule declines and the
     rewrite goes on with the graph as that rule found it."""
-    reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+    reason = described(error)
     if (rule, type(error).__name__) in _DECLINED:
         logger.debug("fusion rule %s declined: %s", rule, reason)
         return

@@ -45,11 +45,9 @@ def _int_attr(node: ir.Node, name: str, default: int) -> int:
 class RotaryHalfFusion(pattern.RewriteRuleClassBase):
     """Half-split (non-interleaved) RoPE with per-token cos/sin → RotaryEmbedding.
 
-    One matcher and check for both targets; only the written op differs. ``target="ort"``:
-    ``com.microsoft::RotaryEmbedding(x, position_ids, cos_cache, sin_cache)`` with (B·S, E)
-    caches and ``position_ids = arange(B·S)``; ``target="onnx"``: ONNX ``RotaryEmbedding``-23
-    ``(x, Cos(f), Sin(f))`` without ``position_ids``, whose caches are the per-token (B, S, E)
-    tables themselves. Either way the angles ``f`` and Cos/Sin are the graph's own (fp32)."""
+    Only the written op differs by target: ``"ort"`` writes the contrib op with (B·S, E)
+    caches and ``position_ids = arange(B·S)``; ``"onnx"`` writes ``RotaryEmbedding``-23
+    ``(x, Cos(f), Sin(f))`` on the per-token (B, S, E) tables themselves."""
 
     def __init__(self, target: str = "ort") -> None:
         super().__init__("amp_rewrite.RotaryEmbedding" + ("" if target == "ort" else ".onnx"))
@@ -228,7 +226,7 @@ def _is_range_from_zero(value: ir.Value | None) -> ir.Node | None:
     return node if int(start.ravel()[0]) == 0 and int(delta.ravel()[0]) == 1 else None
 
 
-def _dim_of(value: ir.Value | None, depth: int = 3) -> tuple[ir.Value, int] | None:
+def _dim_of(value: ir.Value | None) -> tuple[ir.Value, int] | None:
     """``(source, axis)`` when ``value`` is ``Squeeze(Shape(source, axis:axis+1))`` (a 0-d or
     1-element dimension of ``source``), else None."""
     node = _producer(value, "Squeeze")
@@ -469,20 +467,47 @@ class _MaskProof:
         return True
 
 
-class GroupQueryAttentionFusion(pattern.RewriteRuleClassBase):
-    """GQA decoder attention (head repeat + SDPA + causal/padding mask) →
-    ``com.microsoft::GroupQueryAttention``; ``with_past``: the decode step's cache Concats
-    become the op's present outputs."""
+class _KVCacheRule(pattern.RewriteRuleClassBase):
+    """A cache-aware attention rule: ``with_past`` matches the decode step, whose cache
+    Concats become the fused op's present outputs; without it, the prompt."""
 
-    def __init__(self, with_past: bool) -> None:
+    def __init__(self, name: str, with_past: bool) -> None:
         # remove_nodes=False: the key-transpose step leaves its dead shape computations
         # reading the head repeat until the pass's final cleanup (which drops the matched
         # nodes too); a live outside reader simply keeps its value.
-        super().__init__("amp_rewrite.GroupQueryAttention" + ("" if with_past else ".prompt"),
-                         remove_nodes=False)
+        super().__init__(name + ("" if with_past else ".prompt"), remove_nodes=False)
         self.with_past = with_past
-        self._seqlens: dict[ir.Value, tuple[ir.Value, ir.Value]] = {}
         self._found: dict = {}
+
+    def _cache_fail(self, context, q, k_new, v_new, unsq_k, unsq_v, k_rep, v_rep, past_key,
+                    past_value, kw) -> tuple[str, ir.Value | None, ir.Value]:
+        """``_kv_cache_fail`` of this variant's match, and the cache ``k_all``."""
+        self._found = {}
+        k_all = kw.get("k_all", k_new)
+        why, where = _kv_cache_fail(context, q, k_new, v_new, k_all, kw.get("v_all", v_new),
+                                    unsq_k, unsq_v, k_rep, v_rep,
+                                    past_key if self.with_past else None,
+                                    past_value if self.with_past else None)
+        return why, where, k_all
+
+    def _shaped(self, outputs: list[ir.Value], found: dict):
+        """The fused op's outputs with the matched shapes, as the pattern returns them."""
+        outputs[0].shape = found["out_shape"]
+        for present in outputs[1:]:
+            present.shape = found["present_shape"]
+        return tuple(outputs) if self.with_past else outputs[0]
+
+    def cleanup(self) -> None:
+        self._found = {}
+
+
+class GroupQueryAttentionFusion(_KVCacheRule):
+    """GQA decoder attention (head repeat + SDPA + causal/padding mask) →
+    ``com.microsoft::GroupQueryAttention``."""
+
+    def __init__(self, with_past: bool) -> None:
+        super().__init__("amp_rewrite.GroupQueryAttention", with_past)
+        self._seqlens: dict[ir.Value, tuple[ir.Value, ir.Value]] = {}
 
     def pattern(self, op, q, k_new, v_new, past_key, past_value, unsq_k, unsq_v, expand_k,
                 expand_v, shape_k, shape_v, a, b, mask, zero, out_shape):
@@ -505,12 +530,8 @@ class GroupQueryAttentionFusion(pattern.RewriteRuleClassBase):
         import numpy as np
 
         result = pattern.MatchResult()
-        self._found = {}
-        k_all = kw.get("k_all", k_new)
-        v_all = kw.get("v_all", v_new)
-        why, where = _kv_cache_fail(context, q, k_new, v_new, k_all, v_all, unsq_k, unsq_v,
-                                    k_rep, v_rep, past_key if self.with_past else None,
-                                    past_value if self.with_past else None)
+        why, where, k_all = self._cache_fail(context, q, k_new, v_new, unsq_k, unsq_v, k_rep,
+                                             v_rep, past_key, past_value, kw)
         if why:
             return result.fail(why, where)
         batch, heads, seq, head = q.shape
@@ -568,14 +589,11 @@ class GroupQueryAttentionFusion(pattern.RewriteRuleClassBase):
             past_key if self.with_past else None, past_value if self.with_past else None,
             seqlens, total, num_heads=found["heads"], kv_num_heads=found["kv_heads"],
             scale=found["scale"], do_rotary=0, _domain=MS_DOMAIN, _outputs=3)
-        outputs[0].shape = found["out_shape"]
-        for present in outputs[1:]:
-            present.shape = found["present_shape"]
-        return tuple(outputs) if self.with_past else outputs[0]
+        return self._shaped(outputs, found)
 
     def cleanup(self) -> None:
+        super().cleanup()
         self._seqlens.clear()
-        self._found = {}
 
 
 def _rule_set(cls, with_past: bool):
@@ -601,36 +619,20 @@ def has_kv_cache(nodes: list[ir.Node]) -> bool:
 
 # ------------------------------------------------------------ ONNX Attention-23 (--target onnx)
 #
-# At opset ≥ 23 the attention of these decoders is already an ONNX ``Attention`` (the
-# exporter's SDPA translation at opset 23, or ``ort_fusions.sdpa`` → ``sdpa_to_attention``
-# on an older export brought up by the version converter), but it reads the head-repeated,
-# Concat-ed cache:
-#
-#     k_all = Concat(past_key, k, axis=-2)                       # present.{i}.key (decode)
-#     k_rep = Reshape(Expand(Unsqueeze(k_all, [2]), .), .)       # repeat_kv, v likewise
-#     y     = Attention(q, k_rep, v_rep, attn_mask)              # 4-D, is_causal=0
-#
-# This rule writes ``Attention(q, k, v, attn_mask, past_key, past_value)`` whose
-# ``present_key``/``present_value`` replace the Concats (the head repeat goes: a 4-D
-# Attention with fewer KV heads is GQA, query head h reading KV head h // G, as repeat_kv).
-# The mask input travels unchanged (boolean or additive, whatever the graph built), so
-# unlike GroupQueryAttention's ``seqlens_k`` no mask proof is needed and left padding stays
-# exact; what is checked is the cache (``_kv_cache_fail``, shared with the GQA rule), that
-# the mask spans the whole cache, and the attributes: ``is_causal=0`` (with a past, ONNX's
-# causal frontier moves by past_key.shape[2]), no softcap, no qk output, no 3-D head counts.
-# ``softmax_precision`` becomes FLOAT: the scores and softmax in fp32 whatever T is (what the
-# fp32 model did), the fp16/bf16 cast only on the inputs and the output.
+# At opset ≥ 23 these decoders' attention is already an ONNX ``Attention``, but it reads the
+# head-repeated, Concat-ed cache (``_cache_and_repeat_kv``). A 4-D Attention with fewer KV
+# heads is GQA (query head h reads KV head h // G, as repeat_kv), so the head repeat goes and
+# past/present replace the Concats. The mask travels unchanged, so unlike GQA's
+# ``seqlens_k`` no mask proof is needed and left padding stays exact. ``softmax_precision``
+# becomes FLOAT: scores and softmax in fp32, as the fp32 model computed them.
 
 
-class AttentionKVCacheFusion(pattern.RewriteRuleClassBase):
+class AttentionKVCacheFusion(_KVCacheRule):
     """``Attention(q, repeat_kv([Concat(past,] k[)]), ..., mask)`` → ONNX Attention-23 with
     ``past_key``/``past_value`` (``with_past``) and no head repeat."""
 
     def __init__(self, with_past: bool) -> None:
-        super().__init__("amp_rewrite.Attention23" + ("" if with_past else ".prompt"),
-                         remove_nodes=False)  # shape computations may still read k_rep
-        self.with_past = with_past
-        self._found: dict = {}
+        super().__init__("amp_rewrite.Attention23", with_past)
 
     def pattern(self, op, q, k_new, v_new, past_key, past_value, unsq_k, unsq_v, expand_k,
                 expand_v, shape_k, shape_v, mask):
@@ -643,12 +645,8 @@ class AttentionKVCacheFusion(pattern.RewriteRuleClassBase):
     def check(self, context, q, k_new, v_new, unsq_k, unsq_v, k_rep, v_rep, mask, y,
               past_key=None, past_value=None, **kw) -> pattern.MatchResult:
         result = pattern.MatchResult()
-        self._found = {}
-        k_all = kw.get("k_all", k_new)
-        v_all = kw.get("v_all", v_new)
-        why, where = _kv_cache_fail(context, q, k_new, v_new, k_all, v_all, unsq_k, unsq_v,
-                                    k_rep, v_rep, past_key if self.with_past else None,
-                                    past_value if self.with_past else None)
+        why, where, k_all = self._cache_fail(context, q, k_new, v_new, unsq_k, unsq_v, k_rep,
+                                             v_rep, past_key, past_value, kw)
         if why:
             return result.fail(why, where)
         node = y.producer()
@@ -681,18 +679,9 @@ class AttentionKVCacheFusion(pattern.RewriteRuleClassBase):
         if found["scale"] is not None:
             attrs["scale"] = found["scale"]
         if not self.with_past:
-            out = op.Attention(q, k_new, v_new, mask, **attrs)
-            out.shape = found["out_shape"]
-            return out
-        outputs = op.Attention(q, k_new, v_new, mask, past_key, past_value, **attrs,
-                               _outputs=3)
-        outputs[0].shape = found["out_shape"]
-        for present in outputs[1:]:
-            present.shape = found["present_shape"]
-        return tuple(outputs)
-
-    def cleanup(self) -> None:
-        self._found = {}
+            return self._shaped([op.Attention(q, k_new, v_new, mask, **attrs)], found)
+        return self._shaped(op.Attention(q, k_new, v_new, mask, past_key, past_value, **attrs,
+                                         _outputs=3), found)
 
 
 attention23_decode_rules = _rule_set(AttentionKVCacheFusion, True)

@@ -7,7 +7,7 @@ torch writes ``group_norm(x, G, gamma, beta, eps)`` over (N, C, *spatial) as::
     y = Reshape(n, Shape(x)) * gamma[C, 1, ..] + beta[C, 1, ..]
 
 Once a bf16 rewrite moves the model to opset 22, InstanceNormalization admits bf16 and its
-statistics over C/G·H·W elements accumulate in bf16 (issue 31). GroupNormalization-21 keeps
+statistics over C/G·H·W elements accumulate in bf16. GroupNormalization-21 keeps
 them in ``stash_type`` (float32) by the spec, whatever the input dtype, and takes per-channel
 scale and bias ([C]; opset 18 took per-group ones), so the chain maps onto it exactly.
 
