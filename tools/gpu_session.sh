@@ -1,57 +1,83 @@
 #!/usr/bin/env bash
-# The GPU items of issues 14 and 15 in one device call, most valuable first; each section has
-# its own time limit, so one that hangs or fails costs only its own time. Results go to $OUT
-# (at most 8 files come back): env.txt, smoke.json, gemm.json, train.json, profile.json, log.txt.
-#   OUT=/tmp/out bash tools/gpu_session.sh [eager|recheck|all]
-# On a machine without this project's dependencies (the lent device's image has torch and
-# transformers but not ortools), carry wheels and install them first, e.g. built here with
-#   pip wheel --no-deps --no-build-isolation -w .whl .   (amp_rewrite, with its rule files)
-#   pip download --no-deps --only-binary=:all: --python-version 3.12 ... -d .whl ortools immutabledict
-# and there: pip install --no-index --no-deps --target /tmp/site .whl/*.whl; PYTHONPATH=/tmp/site
+# The GPU items of issues 27 (compile backend vs compiled autocast) and 29 (FP8 GEMMs) in one
+# device call, most valuable first; each section has its own time limit, so one that hangs or
+# fails costs only its own time. Results go to $OUT (at most 8 files come back).
+#   OUT=/tmp/out bash tools/gpu_session.sh [all|peers]
+# peers: on a machine where our FP8 rows were just measured, only the peers' FP8 rows (same
+# machine: comparable) and the backend sections.
+#   BENCH_EXTRA='--device cpu --tiny' OUT=/tmp/out bash tools/gpu_session.sh   # CPU dry run
+# The lent device's image has torch, transformers and lightning but not ortools or torchao:
+# carry their wheels in .whl (see /work/.library/device/README.md); they are installed here.
 set -u
 MODE=${1:-all}
 OUT=${OUT:-results/gpu}
 mkdir -p "$OUT"
-# amp_rewrite from $PYTHONPATH where it is installed there (device: a carried wheel), else this checkout
-export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1 AMP_REWRITE_FORK=0
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1 AMP_REWRITE_FORK=0
 exec > >(tee -a "$OUT/log.txt") 2>&1
 section() {
   echo "=== $(date +%T) $1 (limit $2 s)"; shift
   timeout -s INT -k 10 "$@"; local rc=$?; echo "=== rc $rc"; return $rc
 }
-# BENCH_EXTRA='--device cpu --tiny' dry-runs the sections on a CPU
-TRAIN="python3 -m amp_rewrite.bench gpu train --json $OUT/train.json ${BENCH_EXTRA:-}"
+EXTRA=${BENCH_EXTRA:-}
+TRAIN="python3 -m amp_rewrite.bench gpu train $EXTRA"
+FP8="python3 -m amp_rewrite.bench fp8 $EXTRA"
 { nvidia-smi -L; nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,power.limit --format=csv
-  python3 -c "import torch, transformers, onnx, onnx_ir, ortools; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'onnx_ir', onnx_ir.__version__, 'ortools', ortools.__version__)"
+  python3 -c "import torch, transformers, ortools; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
+  python3 -c "import torchao; print('torchao', torchao.__version__)"
   nproc; } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
-# fail fast: a tiny model through every variant on CUDA
-section "smoke" 90 $TRAIN --tiny --models gpt2 --compile off --steps 2 --warmup 1 \
-    --json "$OUT/smoke.json" || exit 1
-if [ ! -s "$OUT/smoke.json" ] || grep -q '"error"' "$OUT/smoke.json"; then
-  echo "smoke test failed"; cat "$OUT/smoke.json"; exit 1
+if [ "$MODE" = peers ]; then
+  section "backend bf16" 170 $TRAIN --models bert gpt2 llama resnet50 --compile on \
+      --dtype bf16 --variants autocast backend --steps 10 --warmup 3 --json "$OUT/backend.json"
+  section "fp8 peers" 120 $FP8 --models llama --variants bf16_rewrite autocast_bf16_compiled \
+      torchao_tensorwise torchao_rowwise --steps 10 --warmup 3 --json "$OUT/fp8.json"
+  exit 0
 fi
-# recheck: only what changed since the last measured run (the mask pass, compiled paths)
-[ "$MODE" = recheck ] || section "gemm" 60 python3 -m amp_rewrite.bench gpu gemm --json "$OUT/gemm.json"
-eager() {
-  section "eager fp16 $1" 110 $TRAIN --models $1 --compile off --phases train forward \
-      --steps 10 --warmup 3
-}
-compiled() {
-  section "compiled fp16 $1" 150 $TRAIN --models $1 --compile on \
-      --variants autocast amp_rewrite --steps 10 --warmup 3
-}
-eager bert
-# where a BERT step's time goes (the attention kernel chosen, host vs device time)
-section "profile bert" 60 python3 -m amp_rewrite.bench gpu profile --models bert \
-    --variants autocast amp_rewrite --json "$OUT/profile.json"
-eager gpt2
-bf16() {
-  section "eager bf16 bert gpt2" 120 $TRAIN --models bert gpt2 --dtype bf16 --compile off \
-      --variants autocast amp_rewrite --steps 10 --warmup 3
-}
-if [ "$MODE" = recheck ]; then compiled bert; compiled gpt2; bf16; exit 0; fi
-eager mlp_odd
-[ "$MODE" = eager ] && { eager resnet50; exit 0; }
-compiled bert; eager resnet50; compiled gpt2
-bf16
+# fail fast: tiny models through the backend and the FP8 rewrite
+section "smoke" 60 $TRAIN --tiny --models gpt2 --variants autocast backend --compile on \
+    --dtype bf16 --steps 2 --warmup 1 --json "$OUT/smoke.json"
+section "smoke fp8" 60 $FP8 --tiny --models gpt2 --variants fp8_tensorwise --steps 2 \
+    --warmup 1 --json "$OUT/smoke_fp8.json"
+# which _scaled_mm dtype/scaling pairs this GPU runs, and the FP8 rewrite on a small MLP
+[ -z "$EXTRA" ] && section "fp8 kernels" 60 python3 - <<'PY'
+import torch
+E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
+M, K, N = 64, 32, 48
+for ad in (E4, E5):
+    for rw in (False, True):
+        a = torch.randn(M, K, device="cuda").to(ad); b = torch.randn(N, K, device="cuda").to(E4)
+        sa, sb = ((torch.rand(M, 1, device="cuda") + .5, torch.rand(1, N, device="cuda") + .5) if rw
+                  else (torch.tensor(.5, device="cuda"), torch.tensor(2., device="cuda")))
+        try:
+            out = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+            ref = (a.float() * sa) @ (b.float().t() * sb)
+            print("scaled_mm", ad, "rowwise" if rw else "tensorwise", "OK", (out.float() - ref).abs().max().item())
+        except Exception as e:
+            print("scaled_mm", ad, "rowwise" if rw else "tensorwise", "FAIL", str(e).splitlines()[0][:150])
+
+import torch, amp_rewrite
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Linear(100, 200), torch.nn.GELU(), torch.nn.Linear(200, 64)).cuda()
+x = torch.randn(4, 30, 100, device="cuda")
+for scaling in ("tensorwise", "rowwise"):
+    for gd in ("e5m2", "e4m3"):
+        try:
+            gm = amp_rewrite.rewrite(m, (x,), dtype=torch.bfloat16, fp8=scaling, fp8_min_size=0, fp8_grad_dtype=gd)
+            y = gm(x); y.float().square().mean().backward()
+            ref = m(x)
+            print("rewrite", scaling, gd, gm.amp_report["fp8"]["counts"], "rel", ((y.float()-ref).norm()/ref.norm()).item(),
+                  all(torch.isfinite(p.grad).all().item() for p in gm.parameters()))
+        except Exception as e:
+            print("rewrite", scaling, gd, "FAIL", type(e).__name__, str(e).splitlines()[0][:200])
+PY
+# issue 29: FP8 vs bf16 vs autocast vs torchao on the Llama shape and GPT-2 small
+section "fp8" 180 $FP8 --steps 10 --warmup 3 --json "$OUT/fp8.json"
+# issue 27: the backend vs compiled autocast, bf16 then fp16 (+ GradScaler / AmpOptimizer)
+section "backend bf16" 170 $TRAIN --models bert gpt2 llama resnet50 --compile on --dtype bf16 \
+    --variants autocast backend --steps 10 --warmup 3 --json "$OUT/backend.json"
+section "backend fp16" 100 $TRAIN --models bert gpt2 llama resnet50 --compile on --dtype fp16 \
+    --variants autocast backend backend_gradscaler --steps 10 --warmup 3 --json "$OUT/backend.json"

@@ -1,6 +1,6 @@
 """``python -m amp_rewrite.bench fx``: the torch.fx rewrite on CPU (speed, models, fusion).
 
-    python -m amp_rewrite.bench fx {table,speed,fusion,autocast} ...
+    python -m amp_rewrite.bench fx {table,speed,fusion,autocast,backend,step} ...
 """
 from __future__ import annotations
 
@@ -11,6 +11,10 @@ MODES = {
     "speed": ("amp_rewrite.bench.fx_speed", "rewrite time on BERT-base or GPT-2 48 layers"),
     "fusion": ("amp_rewrite.bench.fx_fusion", "fused pointwise chains: accuracy, kernels, step"),
     "autocast": ("amp_rewrite.bench.autocast_lists", "PyTorch's autocast test lists"),
+    "backend": ("amp_rewrite.bench.fx_backend",
+                "the torch.compile backend on the zoo: errors, gradients, recompiles"),
+    "step": ("amp_rewrite.bench.gpu_training:cpu_main",
+             "training step on this CPU vs autocast, eager and compiled"),
 }
 
 

@@ -3,23 +3,30 @@ vs amp_rewrite (rewritten graph + AmpOptimizer), eager and under ``torch.compile
 
 Models (random weights from ``transformers`` configs, no download), on random data:
 * ``bert``: BERT-base sequence classification, batch 32 x 128 tokens;
+* ``bert_4l``: the same with 4 layers, batch 8 x 128 tokens (the CPU step of issue 27);
 * ``gpt2``: GPT-2 small language modelling, batch 8 x 512 tokens (vocabulary 50257: the LM
   head's N is misaligned);
+* ``llama``: a Llama-shaped decoder of ~100M parameters (hidden 768, 12 layers, 12 heads,
+  FFN 2048, vocabulary 32000), language modelling, batch 8 x 512 tokens;
 * ``resnet50``: ResNet-50 image classification, batch 64 x 3 x 224 x 224 (3-channel stem);
 * ``mlp_odd``: Linear 4095 -> 11007 -> GELU -> 4095 on 16 x 512 tokens (every GEMM dim
   misaligned; the padding workload of issue 15).
 
 Variants: ``fp32``; ``autocast`` (+ GradScaler for fp16); ``amp_rewrite`` (the defaults:
 fusion on, padding on for CUDA); ``amp_rewrite_nofuse`` (``fuse=False``);
-``amp_rewrite_nopad`` (``pad=False``). Every variant starts from the same weights and uses
+``amp_rewrite_nopad`` (``pad=False``); ``backend`` (``amp_rewrite.compile``: the
+``torch.compile`` backend on the user's module, with ``AmpOptimizer``) and
+``backend_gradscaler`` (the backend with ``torch.amp.GradScaler``), which are always compiled
+and compare with ``autocast`` compiled. Every variant starts from the same weights and uses
 ``AdamW`` (fused where the device has it). A training step is forward, loss, backward and
 optimizer step; a forward is one call under ``torch.no_grad()``. Times are medians over
 ``--steps`` calls after ``--warmup`` calls (compilation happens in the warm-up), with a device
 synchronisation around each. Peak memory is ``torch.cuda.max_memory_allocated`` over the
 measured calls. ``prep_s`` is the rewrite time (amp_rewrite) before any warm-up; ``loss0`` the
 first step's loss (same weights and data in every variant: a sanity check against FP32).
-For amp_rewrite training rows, ``sync_free`` says whether ``AmpOptimizer.step()`` ran under
-``torch.cuda.set_sync_debug_mode("error")`` without a host synchronisation.
+``sync_free`` says whether the optimizer update (``AmpOptimizer.step()`` or
+``GradScaler.step`` + ``update``) ran under ``torch.cuda.set_sync_debug_mode("error")`` without a
+host synchronisation; ``recompiles`` counts graphs dynamo compiled after warm-up.
 
 Rows are appended to ``--out`` as they finish (a killed run keeps what it measured). Without
 CUDA it says so and exits 0; ``--device cpu --tiny`` runs the same code on tiny configs (a
@@ -51,8 +58,10 @@ import amp_rewrite
 from amp_rewrite.training import AmpOptimizer
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-VARIANTS = ("fp32", "autocast", "amp_rewrite", "amp_rewrite_nofuse", "amp_rewrite_nopad")
-MODELS = ("bert", "gpt2", "resnet50", "mlp_odd")
+VARIANTS = ("fp32", "autocast", "amp_rewrite", "amp_rewrite_nofuse", "amp_rewrite_nopad",
+            "backend", "backend_gradscaler")
+BACKEND_VARIANTS = ("backend", "backend_gradscaler")
+MODELS = ("bert", "bert_4l", "gpt2", "llama", "resnet50", "mlp_odd")
 REWRITE_OPTIONS = {"amp_rewrite": {}, "amp_rewrite_nofuse": {"fuse": False},
                    "amp_rewrite_nopad": {"pad": False}}
 
@@ -82,18 +91,24 @@ def _text(name: str, tiny: bool, g: torch.Generator, device: torch.device
           ) -> tuple[torch.nn.Module, torch.Tensor, Callable]:
     import transformers as tf
 
-    if name == "bert":
-        cfg = tf.BertConfig(num_labels=2, **(_TINY_TEXT if tiny else {}))
-        batch, seq = (2, 16) if tiny else (32, 128)
+    if name in ("bert", "bert_4l"):
+        layers = {"num_hidden_layers": 4} if name == "bert_4l" else {}
+        cfg = tf.BertConfig(num_labels=2, **(_TINY_TEXT if tiny else layers))
+        batch, seq = (2, 16) if tiny else (8 if name == "bert_4l" else 32, 128)
         x = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
         labels = torch.randint(0, 2, (batch,), generator=g).to(device)
         return (_Logits(tf.BertForSequenceClassification(cfg)), x,
                 lambda logits: F.cross_entropy(logits.float(), labels))
-    cfg = tf.GPT2Config(use_cache=False, **(_TINY_GPT2 if tiny else {}))
+    if name == "llama":
+        cfg = tf.LlamaConfig(use_cache=False, **(_TINY_LLAMA if tiny else _LLAMA_100M))
+        model = tf.LlamaForCausalLM(cfg)
+    else:
+        cfg = tf.GPT2Config(use_cache=False, **(_TINY_GPT2 if tiny else {}))
+        model = tf.GPT2LMHeadModel(cfg)
     batch, seq = (2, 16) if tiny else (8, 512)
     x = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
     targets = x[:, 1:].to(device)
-    return (_Logits(tf.GPT2LMHeadModel(cfg)), x, lambda logits: F.cross_entropy(
+    return (_Logits(model), x, lambda logits: F.cross_entropy(
         logits[:, :-1].float().reshape(-1, logits.shape[-1]), targets.reshape(-1)))
 
 
@@ -120,7 +135,7 @@ def _mlp_odd(tiny: bool, g: torch.Generator) -> tuple[torch.nn.Module, torch.Ten
 def build(name: str, tiny: bool, device: torch.device) -> Workload:
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
-    if name in ("bert", "gpt2"):
+    if name in ("bert", "bert_4l", "gpt2", "llama"):
         module, x, loss = _text(name, tiny, g, device)
     elif name == "resnet50":
         module, x, loss = _resnet(tiny, g, device)
@@ -134,19 +149,28 @@ def build(name: str, tiny: bool, device: torch.device) -> Workload:
 _TINY_TEXT = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
               "intermediate_size": 64, "vocab_size": 128}
 _TINY_GPT2 = {"n_embd": 32, "n_layer": 2, "n_head": 2, "vocab_size": 128, "n_positions": 64}
+_TINY_LLAMA = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+               "intermediate_size": 64, "vocab_size": 128}
+_LLAMA_100M = {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
+               "intermediate_size": 2048, "vocab_size": 32000}
 _TINY_RESNET = {"embedding_size": 8, "hidden_sizes": [16, 32], "depths": [1, 1],
                 "num_labels": 10}
 
 
 @dataclass
 class Prepared:
-    """One variant's model, its training step and its forward call."""
+    """One variant's model, its training step (``backward`` then ``update``) and its forward."""
 
     model: Callable[..., torch.Tensor]
-    step: Callable[[], torch.Tensor]
+    backward: Callable[[], torch.Tensor]  # forward, loss, backward; returns the loss
+    update: Callable[[], None]  # optimizer step (unscale, skip, scale update) and zero_grad
     forward: Callable[[], torch.Tensor]
-    amp: AmpOptimizer | None
     prep_s: float
+
+    def step(self) -> torch.Tensor:
+        loss = self.backward()
+        self.update()
+        return loss
 
 
 def prepare(variant: str, work: Workload, dtype: torch.dtype, compile_: bool,
@@ -158,58 +182,71 @@ def prepare(variant: str, work: Workload, dtype: torch.dtype, compile_: bool,
         module = amp_rewrite.rewrite(module, work.inputs, dtype=dtype,
                                      **REWRITE_OPTIONS[variant])
     prep_s = time.perf_counter() - start
-    model = torch.compile(module) if compile_ else module
+    if variant in BACKEND_VARIANTS:
+        model = amp_rewrite.compile(module, dtype=dtype)
+    else:
+        model = torch.compile(module) if compile_ else module
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4, fused=device.type == "cuda")
-    amp = AmpOptimizer(optimizer, dtype=dtype) if variant in REWRITE_OPTIONS else None
-    step = _train_step(variant, model, work, dtype, device, optimizer, amp)
+    backward, update = _train_step(variant, model, work, dtype, device, optimizer)
 
     @torch.no_grad()
     def forward() -> torch.Tensor:
         with torch.autocast(device.type, dtype=dtype, enabled=variant == "autocast"):
             return model(*work.inputs)
-    return Prepared(model, step, forward, amp, prep_s)
+    return Prepared(model, backward, update, forward, prep_s)
 
 
 def _train_step(variant: str, model: Callable, work: Workload, dtype: torch.dtype,
-                device: torch.device, optimizer: torch.optim.Optimizer,
-                amp: AmpOptimizer | None) -> Callable[[], torch.Tensor]:
+                device: torch.device, optimizer: torch.optim.Optimizer
+                ) -> tuple[Callable[[], torch.Tensor], Callable[[], None]]:
     if variant == "fp32":
-        def step() -> torch.Tensor:
+        def backward() -> torch.Tensor:
             loss = work.loss(model(*work.inputs))
             loss.backward()
+            return loss
+
+        def update() -> None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            return loss
-    elif variant == "autocast":
+    elif variant in ("autocast", "backend_gradscaler"):
         scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
 
-        def step() -> torch.Tensor:
-            with torch.autocast(device.type, dtype=dtype):
+        def backward() -> torch.Tensor:
+            with torch.autocast(device.type, dtype=dtype, enabled=variant == "autocast"):
                 logits = model(*work.inputs)
             loss = work.loss(logits)
             scaler.scale(loss).backward()
+            return loss
+
+        def update() -> None:
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
-            return loss
     else:
-        def step() -> torch.Tensor:
+        amp = AmpOptimizer(optimizer, dtype=dtype)
+
+        def backward() -> torch.Tensor:
             loss = work.loss(model(*work.inputs))
             amp.backward(loss)
+            return loss
+
+        def update() -> None:
             amp.step()
             amp.zero_grad()
-            return loss
-    return step
+    return backward, update
 
 
 def measure(call: Callable[[], object], device: torch.device, warmup: int,
             steps: int) -> dict:
+    """Median time of ``steps`` calls after ``warmup`` calls; ``recompiles``: graphs dynamo
+    compiled during the measured calls (0 when warm-up reached a steady state)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     start = time.perf_counter()
     for _ in range(warmup):
         call()
     sync()
     warmup_s = time.perf_counter() - start
+    graphs = _compiled_graphs()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times = []
@@ -221,24 +258,28 @@ def measure(call: Callable[[], object], device: torch.device, warmup: int,
         times.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     return {"ms": 1000 * statistics.median(times), "peak_mib": peak and peak / 2**20,
-            "warmup_s": warmup_s}
+            "warmup_s": warmup_s, "recompiles": _compiled_graphs() - graphs}
 
 
-def sync_free_step(prepared: Prepared, work: Workload, device: torch.device) -> bool | str:
-    """Whether ``AmpOptimizer.step()`` runs without a host sync (CUDA's sync debug mode)."""
-    if device.type != "cuda" or prepared.amp is None:
+def _compiled_graphs() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def sync_free_step(prepared: Prepared, device: torch.device) -> bool | str:
+    """Whether the optimizer update (unscale, inf check, step, scale update) runs without a
+    host synchronisation, under CUDA's sync debug mode."""
+    if device.type != "cuda":
         return "n/a"
-    prepared.amp.backward(work.loss(prepared.model(*work.inputs)))
+    prepared.backward()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        prepared.amp.step()
+        prepared.update()
         return True
     except RuntimeError as error:
         return f"synchronised: {str(error).splitlines()[0]}"
     finally:
         torch.cuda.set_sync_debug_mode("default")
-        prepared.amp.zero_grad()
 
 
 def run_all(args: argparse.Namespace, device: torch.device) -> list[dict]:
@@ -259,6 +300,8 @@ def _run_variant(args: argparse.Namespace, work: Workload, variant: str, compile
                  device: torch.device) -> list[dict]:
     head = {"model": work.name, "variant": variant, "compile": compile_, "dtype": args.dtype}
     rows = []
+    if variant in BACKEND_VARIANTS and not compile_:
+        return rows  # a torch.compile backend: compiled rows only
     try:
         prepared = prepare(variant, work, DTYPES[args.dtype], compile_, device)
         for phase in args.phases:
@@ -266,7 +309,7 @@ def _run_variant(args: argparse.Namespace, work: Workload, variant: str, compile
             if phase == "train":
                 row["loss0"] = float(prepared.step().detach())
                 row.update(measure(prepared.step, device, args.warmup, args.steps))
-                row["sync_free"] = sync_free_step(prepared, work, device)
+                row["sync_free"] = sync_free_step(prepared, device)
             else:
                 row.update(measure(prepared.forward, device, args.warmup, args.steps))
             rows.append(row)
@@ -290,7 +333,8 @@ def _format(row: dict) -> str:
         return f"{head} {row['error']}"
     peak = f"{row['peak_mib']:10.0f}" if row["peak_mib"] is not None else f"{'n/a':>10s}"
     return (f"{head} {row['ms']:10.2f} {peak} {row['prep_s']:7.1f} {row['warmup_s']:7.1f}"
-            f" {row.get('loss0', float('nan')):9.4f} {row.get('sync_free', '')}")
+            f" {row.get('loss0', float('nan')):9.4f} {row.get('recompiles', ''):>4}"
+            f" {row.get('sync_free', '')}")
 
 
 def _save(out: Path, rows: list[dict], args: argparse.Namespace, device: torch.device) -> None:
@@ -298,11 +342,34 @@ def _save(out: Path, rows: list[dict], args: argparse.Namespace, device: torch.d
     the same file are kept, so runs of one model each can share it."""
     meta = {"torch": torch.__version__, "device": torch.cuda.get_device_name(device)
             if device.type == "cuda" else platform.processor() or platform.machine(),
-            "steps": args.steps, "warmup": args.warmup, "tiny": args.tiny}
+            "steps": args.steps, "warmup": args.warmup, "tiny": args.tiny,
+            "cpu_flags": cpu_flags()}
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     tmp.replace(out)
+
+
+def cpu_flags() -> list[str]:
+    """The CPU's bf16-relevant instruction sets (``lscpu`` flags): AMX and AVX512-BF16 give
+    native bf16 GEMMs; AVX2 alone does not."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = set(next((line for line in text.splitlines() if line.startswith("flags")),
+                     "").split())
+    return sorted(flags & {"amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2"})
+
+
+def cpu_main(argv: list[str] | None = None) -> int:
+    """``python -m amp_rewrite.bench fx step``: the same measurement on this CPU, by default
+    BERT-shaped 4 layers, batch 8 x 128, bf16, autocast / export path / backend, eager and
+    compiled (later arguments override these)."""
+    print(f"CPU bf16 flags: {' '.join(cpu_flags()) or 'none'}")
+    return main(["--device", "cpu", "--models", "bert_4l", "--dtype", "bf16",
+                 "--variants", "autocast", "amp_rewrite", "backend", "--steps", "10",
+                 "--warmup", "3", "--json", "results/bench_cpu_step.json", *(argv or [])])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -325,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
     device = torch.device(args.device)
     print(f"{'model':9s} {'variant':19s} {'mode':9s} {'phase':8s} {'ms':>10s} {'peak MiB':>10s}"
-          f" {'prep s':>7s} {'warm s':>7s} {'loss0':>9s} sync-free")
+          f" {'prep s':>7s} {'warm s':>7s} {'loss0':>9s} {'reco':>4s} sync-free")
     run_all(args, device)
     print(f"wrote {args.json}")
     return 0
