@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "zoo": "amp_rewrite.bench.zoo_export",
     "fuzz": "amp_rewrite.bench.fuzz_cli",
     "decoders": "amp_rewrite.bench.deployed",
+    "fp8": "amp_rewrite.bench.fp8",
 }
 
 

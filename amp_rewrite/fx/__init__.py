@@ -26,6 +26,7 @@ from amp_rewrite.errors import UsageError
 from amp_rewrite.fx import guards, lowering
 from amp_rewrite.fx.capture import capture as capture_module
 from amp_rewrite.fx.capture import fill_missing_fake_values, refresh_fake_values
+from amp_rewrite.fx.fp8 import RestoreFp8Gemms, fp8_section
 from amp_rewrite.fx.fusion import FUSED_FROM, FUSED_TAG, FuseAttention, FuseNorms, FuseTanhGelu
 from amp_rewrite.fx.lowering import (LOWERED_TAG, EmulateLowKernels, RestoreLowKernels,
                                      native_low_gemm)
@@ -52,8 +53,9 @@ def rewrite(model: torch.nn.Module, example_inputs: Any = None, *,
             keep_fp32: Iterable[str] = (), keep_io_types: bool = True,
             device: str | None = None, autocast_floor: bool = True,
             mode: str | None = None, pad: bool | PadPolicy | None = None,
-            fuse: bool = True, emulate_gemms: bool | None = None
-            ) -> torch.fx.GraphModule | TrainEvalModule:
+            fuse: bool = True, emulate_gemms: bool | None = None, fp8: str | None = None,
+            fp8_grad_dtype: torch.dtype | str | None = None, fp8_min_size: int | None = None,
+            keep_bf16: Iterable[str] = ()) -> torch.fx.GraphModule | TrainEvalModule:
     """Capture ``model`` and return a trainable mixed-precision ``GraphModule``.
 
     ``dtype``: torch.float16 / torch.bfloat16 (or 'fp16' / 'bf16'). ``capture``: 'export'
@@ -79,12 +81,19 @@ def rewrite(model: torch.nn.Module, example_inputs: Any = None, *,
     kernels on low-rounded operands (``fx/lowering.py``). None (default): only with ``fuse``,
     on a CPU without native bf16/fp16 GEMMs, and attention calls the fp32 kernel runs
     faster (timed once per call); never on CUDA. True: every low kernel; False: none.
+    ``fp8``: None (default), 'tensorwise' or 'rowwise' (needs ``dtype=torch.bfloat16``): the
+    bf16 GEMMs an H100 cost model says gain run as ``torch._scaled_mm`` with dynamic scales,
+    forward and backward (``fx/fp8.py``); ``fp8_grad_dtype``: the gradients' FP8 dtype
+    (default E5M2); ``fp8_min_size``: FP8 for every GEMM with M·N·K at least this instead of
+    the cost model (0: all); ``keep_bf16``: fnmatch patterns on node names kept bf16.
     The user's module is never mutated; the result owns copies of its parameters.
     """
     options = FxOptions.checked(dtype=dtype, rules=rules, keep_fp32=keep_fp32,
                                 keep_io_types=keep_io_types, device=device,
                                 autocast_floor=autocast_floor, pad=pad, fuse=fuse,
-                                emulate_gemms=emulate_gemms)
+                                emulate_gemms=emulate_gemms, fp8=fp8,
+                                fp8_grad_dtype=fp8_grad_dtype, fp8_min_size=fp8_min_size,
+                                keep_bf16=keep_bf16)
     if mode is not None:
         arguments.choice(mode, arguments.MODES, name="mode")
     if example_inputs is None and not isinstance(model, torch.fx.GraphModule):
@@ -141,7 +150,8 @@ def _rewrite_graph(gm: torch.fx.GraphModule, options: FxOptions) -> torch.fx.Gra
     overlays = [default_rules_path("torch_cpu")] if device == "cpu" else []
     rule_set = load_rules("torch", extra_files=[*overlays, *options.rules])
     # a second rewrite plans on the flat graph with its low kernels
-    unfused = UnfuseRegions()(gm).modified | RestoreLowKernels()(gm).modified
+    unfused = (UnfuseRegions()(gm).modified | RestoreLowKernels()(gm).modified
+               | RestoreFp8Gemms()(gm).modified)
     foreign_notes = _prepare_dtypes(gm, low, rule_set, options.keep_io_types, device)
     start = time.perf_counter()
     with gc_paused():
@@ -155,6 +165,7 @@ def _rewrite_graph(gm: torch.fx.GraphModule, options: FxOptions) -> torch.fx.Gra
         masks(gm)
         amp = MixedPrecisionPass(options, rule_set)
         amp(gm)
+        fp8, fp8_lines = fp8_section(gm, options.fp8)
         pad = device == "cuda" if options.pad is None else options.pad  # a policy is truthy
         padding = _pad(gm, pad)
         emulated = _emulate_gemms(gm, low, device, fuse, options.emulate_gemms)
@@ -162,10 +173,12 @@ def _rewrite_graph(gm: torch.fx.GraphModule, options: FxOptions) -> torch.fx.Gra
         if fuse:  # DESIGN §4: pointwise fusion last, casts and pads included
             pointwise(gm)
     report = amp.report()
+    for name, line in fp8_lines.items():
+        report.why.setdefault(name, []).append(line)
     report.why = _for_device(_with_fusions(gm, report.why), device)
     report.padding, report.fused = padding, _fused_summary(gm, pointwise)
     notes = _true_notes(report.extra.pop("notes"), foreign_notes)
-    report.extra.update(notes=notes, device=device, emulated_gemms=emulated,
+    report.extra.update(notes=notes, device=device, emulated_gemms=emulated, fp8=fp8,
                         attention_masks_dropped=masks.dropped,
                         seconds=round(time.perf_counter() - start, 4))
     gm.meta[REPORT_KEY] = report

@@ -45,7 +45,8 @@ INNER = ("inductor", "eager")
 # belong to dynamo), with their defaults
 _REWRITE_OPTIONS = {"dtype": torch.float16, "rules": (), "keep_fp32": (),
                     "keep_io_types": True, "device": None, "autocast_floor": True,
-                    "pad": None, "fuse": True, "emulate_gemms": None}
+                    "pad": None, "fuse": True, "emulate_gemms": None, "fp8": None,
+                    "fp8_grad_dtype": None, "fp8_min_size": None, "keep_bf16": ()}
 _GRAPH_NUMBER = itertools.count()
 # parameter -> reports of the graphs that read it (a model's graphs, via its parameters)
 _REPORTS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensors compare elementwise
@@ -137,7 +138,8 @@ def compile(model: torch.nn.Module, *, dtype: torch.dtype | str = torch.float16,
             **options: Any) -> torch.nn.Module:
     """``torch.compile(model, backend=amp_rewrite)`` with ``options`` checked now: ``inner``
     ('inductor' | 'eager') and the ``rewrite`` options ``rules``, ``keep_fp32``,
-    ``keep_io_types``, ``device``, ``autocast_floor``, ``pad``, ``fuse``, ``emulate_gemms``.
+    ``keep_io_types``, ``device``, ``autocast_floor``, ``pad``, ``fuse``, ``emulate_gemms``,
+    ``fp8``, ``fp8_grad_dtype``, ``fp8_min_size``, ``keep_bf16``.
     The model, its ``state_dict``, hooks and optimizer stay the user's."""
     checked = _Backend(BackendOptions.checked({**options, "dtype": dtype}))
     compiled = torch.compile(model, backend=checked, dynamic=dynamic, fullgraph=fullgraph)

@@ -27,6 +27,7 @@ from amp_rewrite.core.report import Reasons, Report, node_records
 from amp_rewrite.fx import opkeys
 from amp_rewrite.fx.apply import ApplyResult, apply_plan, check_applied, retype_values
 from amp_rewrite.fx.floor import autocast_pins
+from amp_rewrite.fx.fp8 import Fp8Options
 from amp_rewrite.fx.view import FxView, alias_set, build_view, resolve
 from amp_rewrite.runtime import listed
 
@@ -199,19 +200,23 @@ class FxOptions:
     pad: bool | PadPolicy | None = None  # None: on for device 'cuda'
     fuse: bool = True
     emulate_gemms: bool | None = None
+    fp8: Fp8Options | None = None  # None: no FP8 GEMMs (fx/fp8.py)
 
     @classmethod
     def checked(cls, *, dtype: object, rules: Iterable[str], keep_fp32: object,
                 keep_io_types: object, device: object, autocast_floor: object,
                 pad: bool | PadPolicy | None, fuse: bool,
-                emulate_gemms: bool | None) -> FxOptions:
+                emulate_gemms: bool | None, fp8: object = None, fp8_grad_dtype: object = None,
+                fp8_min_size: object = None, keep_bf16: object = ()) -> FxOptions:
         """Wrong types fail here, in one line, not deep inside the passes (``arguments``)."""
-        return cls(arguments.low_dtype(dtype), tuple(map(str, listed(rules))),
+        low = arguments.low_dtype(dtype)
+        return cls(low, tuple(map(str, listed(rules))),
                    tuple(arguments.patterns(keep_fp32, name="keep_fp32")),
                    arguments.flag(keep_io_types, name="keep_io_types"),
                    arguments.device_type(device),
                    arguments.flag(autocast_floor, name="autocast_floor"), pad, fuse,
-                   emulate_gemms)
+                   emulate_gemms,
+                   Fp8Options.checked(fp8, fp8_grad_dtype, fp8_min_size, keep_bf16, low))
 
 
 class MixedPrecisionPass(PassBase):
