@@ -189,3 +189,17 @@ def test_backend_name_works_without_importing_amp_rewrite():
                           timeout=120, env={**__import__("os").environ, BACKEND_ENV: "eager"})
     assert done.returncode == 0, done.stderr[-2000:]
     assert float(done.stdout.strip().splitlines()[-1]) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,dtype", [("bert", "fp16"), ("llama", "bf16"), ("t5", "bf16")])
+def test_zoo_model_trains_through_the_backend_like_autocast(name, dtype):
+    """Oracles: the FP32 model and ``torch.autocast`` on the same inputs (``bench fx backend``
+    runs this on all 21 zoo models)."""
+    from amp_rewrite.bench.fx_backend import measure
+
+    row = measure(name, dtype, inner="eager")
+    assert row["error"] <= 1.5 * row["autocast_error"] + 1e-6, row
+    assert row["grad_error"] <= 1.5 * row["autocast_grad_error"] + 1e-6, row
+    assert row["grads_finite"] and row["recompiles"] == 0, row
+    assert row["graphs"] >= 2 and row["break_error"] <= 1.5 * row["autocast_error"] + 1e-6, row
