@@ -3,8 +3,6 @@
 Everything here stays on the device: the Inf/NaN check and the unscale run in torch's own
 ``_amp_foreach_non_finite_check_and_unscale_`` kernel (the one ``GradScaler`` uses, hence
 bit-identical results), and the found-Inf flag is a 0-dim tensor that is never read on the host.
-A check without an unscale (bf16, or a fused optimizer that unscales itself) only reads the
-gradients: a max-norm per tensor, instead of the kernel's multiply by 1 that writes them too.
 """
 from __future__ import annotations
 
@@ -55,17 +53,15 @@ def _group_grads(
 
 def check_and_unscale(
     optimizer: torch.optim.Optimizer,
-    inv_scale: torch.Tensor | None,
+    inv_scale: torch.Tensor,
     *,
     allow_fp16: bool,
     caller: str,
-    home: torch.device | None = None,
 ) -> torch.Tensor:
-    """Multiply all gradients by ``inv_scale`` in place (None: only check them); return a
-    0-dim found-Inf flag.
+    """Multiply all gradients by ``inv_scale`` in place; return a 0-dim found-Inf flag.
 
-    The flag (float32, on ``inv_scale``'s device, else ``home``) is > 0 iff some gradient holds
-    Inf or NaN. Raises ``TrainingError`` when no parameter has a gradient (no backward ran).
+    The flag (float32, on ``inv_scale``'s device) is > 0 iff some gradient holds Inf or NaN.
+    Raises ``TrainingError`` when no parameter has a gradient (no backward ran).
     """
     groups = _group_grads(optimizer, allow_fp16=allow_fp16)
     if not groups:
@@ -73,23 +69,16 @@ def check_and_unscale(
             f"{caller}: none of the optimizer's parameters has a gradient; "
             "call backward() on the scaled loss first"
         )
-    home = inv_scale.device if inv_scale is not None else home
+    home = inv_scale.device
     found_inf = torch.zeros((), dtype=torch.float32, device=home)
-    per_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    per_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
     with torch.no_grad():
         for (device, _), grads in groups.items():
             if device not in per_device:
                 flag = found_inf if device == home else torch.zeros_like(found_inf, device=device)
-                inv = None if inv_scale is None else inv_scale.to(device, non_blocking=True)
-                per_device[device] = (flag, inv)
+                per_device[device] = (flag, inv_scale.to(device, non_blocking=True))
             flag, inv = per_device[device]
-            if inv is None:  # a max-norm is Inf or NaN iff the tensor holds one
-                nonempty = [g for g in grads if g.numel()]  # (an empty max has no value)
-                if nonempty:
-                    norms = torch.stack(torch._foreach_norm(nonempty, float("inf")))
-                    flag.add_((~torch.isfinite(norms)).any())
-            else:
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv)
         for device, (flag, _) in per_device.items():
             if device != home:
                 found_inf.add_(flag.to(home, non_blocking=True))

@@ -224,13 +224,14 @@ class LossScaler:
                caller: str) -> torch.Tensor:
         """Inf/NaN check (and unscale when asked), agreed across ranks; returns the flag."""
         state = self._ensure_state(self._home_device(optimizer, caller))
-        inv_scale = None  # only check: a fused optimizer unscales itself; bf16 has no scale
         if unscale and not self._policy.check_only:
             # Reciprocal in float64 as GradScaler does: float32 division may be inexact.
             inv_scale = state["scale"].double().reciprocal().float()
+        else:
+            inv_scale = torch.ones((), dtype=torch.float32, device=state["scale"].device)
         found_inf = check_and_unscale(optimizer, inv_scale,
                                       allow_fp16=not unscale or self._policy.check_only,
-                                      caller=caller, home=state["scale"].device)
+                                      caller=caller)
         agree_across_ranks(found_inf, self._process_group, self._distributed)
         return found_inf
 
