@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 import amp_rewrite
-from amp_rewrite.bench.gpu_training import measure
+from amp_rewrite.bench.gpu_training import _Logits, measure
 from amp_rewrite.training import AmpOptimizer
 
 MODELS = ("llama", "gpt2")
@@ -55,15 +55,6 @@ _TINY = {"llama": ({"hidden_size": 32, "intermediate_size": 64, "num_hidden_laye
                    2, 16),
          "gpt2": ({"n_embd": 32, "n_layer": 2, "n_head": 2, "vocab_size": 128,
                    "n_positions": 64}, 2, 16)}
-
-
-class _Logits(torch.nn.Module):
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model(ids, return_dict=False)[0]
 
 
 def build(name: str, tiny: bool, device: torch.device) -> tuple[torch.nn.Module, torch.Tensor]:

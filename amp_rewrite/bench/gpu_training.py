@@ -18,7 +18,7 @@ fusion on, padding on for CUDA); ``amp_rewrite_nofuse`` (``fuse=False``);
 ``torch.compile`` backend on the user's module, with ``AmpOptimizer``) and
 ``backend_gradscaler`` (the backend with ``torch.amp.GradScaler``), which are always compiled
 and compare with ``autocast`` compiled. Every variant starts from the same weights and uses
-``AdamW`` (fused where the device has it). A training step is forward, loss, backward and
+``AdamW(fused=True)`` (CUDA and CPU kernels). A training step is forward, loss, backward and
 optimizer step; a forward is one call under ``torch.no_grad()``. Times are medians over
 ``--steps`` calls after ``--warmup`` calls (compilation happens in the warm-up), with a device
 synchronisation around each. Peak memory is ``torch.cuda.max_memory_allocated`` over the
@@ -186,7 +186,7 @@ def prepare(variant: str, work: Workload, dtype: torch.dtype, compile_: bool,
         model = amp_rewrite.compile(module, dtype=dtype)
     else:
         model = torch.compile(module) if compile_ else module
-    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4, fused=device.type == "cuda")
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4, fused=True)
     backward, update = _train_step(variant, model, work, dtype, device, optimizer)
 
     @torch.no_grad()

@@ -17,9 +17,10 @@ roofline model of one step of that GEMM, forward and, when training, the two bac
 Every kernel costs ``kernel_us`` on top (launch and tail: it is what keeps small GEMMs bf16).
 An activation quantized for several FP8 GEMMs (Q, K, V reading one normalised X) is
 quantized once and its cost shared among them; ``plan_fp8`` drops readers that stay bf16 and
-re-decides until nothing changes (a share only grows, so it ends). A GEMM runs FP8 when its
-bf16 time is at least ``min_gain`` times its FP8 time. ``min_size`` replaces the model by a
-size threshold (0: every legal GEMM; tests and measurements). Constants: decision 0029.
+re-decides until nothing changes (sharers only drop out, each cost only rises: it ends). A
+GEMM runs FP8 when its bf16 time is at least ``min_gain`` times its FP8 time. ``min_size``
+replaces the model by a size threshold (0: every legal GEMM; tests and measurements).
+Constants: decision 0029.
 """
 from __future__ import annotations
 
@@ -157,7 +158,7 @@ def plan_fp8(gemms: Iterable[Gemm], policy: Fp8Policy) -> dict[Hashable, Fp8Choi
         for g in gemms:
             if g.key in fp8:
                 readers[g.activation] = readers.get(g.activation, 0) + 1
-        # a GEMM now bf16 is costed as if it joined the FP8 readers: shares only shrink
+        # a GEMM now bf16 is costed as if it joined the FP8 readers, so none flips back
         choices = {g.key: should_fp8(g, policy, readers.get(g.activation, 0) + (g.key not in fp8))
                    for g in gemms}
         chosen = {key for key, c in choices.items() if c.fp8}

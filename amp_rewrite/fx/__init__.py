@@ -84,8 +84,9 @@ def rewrite(model: torch.nn.Module, example_inputs: Any = None, *,
     ``fp8``: None (default), 'tensorwise' or 'rowwise' (needs ``dtype=torch.bfloat16``): the
     bf16 GEMMs an H100 cost model says gain run as ``torch._scaled_mm`` with dynamic scales,
     forward and backward (``fx/fp8.py``); ``fp8_grad_dtype``: the gradients' FP8 dtype
-    (default E5M2); ``fp8_min_size``: FP8 for every GEMM with M·N·K at least this instead of
-    the cost model (0: all); ``keep_bf16``: fnmatch patterns on node names kept bf16.
+    (default E5M2 tensor-wise, E4M3 row-wise); ``fp8_min_size``: FP8 for every GEMM with
+    M·N·K at least this instead of the cost model (0: all); ``keep_bf16``: fnmatch patterns
+    on node names kept bf16.
     The user's module is never mutated; the result owns copies of its parameters.
     """
     options = FxOptions.checked(dtype=dtype, rules=rules, keep_fp32=keep_fp32,

@@ -10,11 +10,9 @@ The same loop under ``Accelerator(mixed_precision=...)`` (``torch.autocast``, pl
 """
 from __future__ import annotations
 
-import argparse
 
 import accelerate
 import torch
-import transformers
 
 import amp_rewrite
 import tiny
@@ -52,13 +50,7 @@ def train(kind: str, steps: int, dtype: str, compiled: bool, inner: str
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="gpt2", choices=["gpt2", "bert"])
-    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--inner", default="inductor", choices=["inductor", "eager"])
-    args = parser.parse_args()
-    transformers.logging.set_verbosity_error()
+    args = tiny.arguments(__doc__, ("bf16", "fp16"))
     ours, our_losses = train(args.model, args.steps, args.dtype, True, args.inner)
     _, autocast_losses = train(args.model, args.steps, args.dtype, False, args.inner)
     print(f"graphs compiled: {len(amp_rewrite.report(ours))}")

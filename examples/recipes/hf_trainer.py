@@ -11,7 +11,6 @@ The same loop under ``Trainer(bf16=True)`` (``torch.autocast``) runs beside it f
 """
 from __future__ import annotations
 
-import argparse
 import tempfile
 
 import torch
@@ -47,12 +46,7 @@ def train(kind: str, steps: int, compiled: bool, inner: str) -> tuple[torch.nn.M
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="gpt2", choices=["gpt2", "bert"])
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--inner", default="inductor", choices=["inductor", "eager"])
-    args = parser.parse_args()
-    transformers.logging.set_verbosity_error()
+    args = tiny.arguments(__doc__)
     ours, our_losses = train(args.model, args.steps, compiled=True, inner=args.inner)
     _, autocast_losses = train(args.model, args.steps, compiled=False, inner=args.inner)
     print(f"graphs compiled: {len(amp_rewrite.report(ours))}")

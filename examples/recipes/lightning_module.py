@@ -10,13 +10,11 @@ as the Accelerate recipe does. The same loop under ``precision="bf16-mixed"``
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import warnings
 
 import lightning
 import torch
-import transformers
 
 import amp_rewrite
 import tiny
@@ -54,12 +52,7 @@ def train(kind: str, steps: int, compiled: bool, inner: str) -> LanguageModel:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="gpt2", choices=["gpt2", "bert"])
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--inner", default="inductor", choices=["inductor", "eager"])
-    args = parser.parse_args()
-    transformers.logging.set_verbosity_error()
+    args = tiny.arguments(__doc__)
     logging.getLogger("lightning").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", module="lightning")  # its "few workers" hints
     ours = train(args.model, args.steps, compiled=True, inner=args.inner)

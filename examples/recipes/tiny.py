@@ -2,6 +2,7 @@
 dropout on), seeded batches, and the reload check."""
 from __future__ import annotations
 
+import argparse
 import tempfile
 
 import torch
@@ -62,3 +63,14 @@ def report_agreement(ours: float, autocast: float, tolerance: float = 0.02) -> N
     print(f"mean loss of the last 10 steps: amp_rewrite {ours:.4f}, torch.autocast "
           f"{autocast:.4f} ({100 * abs(ours - autocast) / autocast:.2f}% apart)")
     assert abs(ours - autocast) <= tolerance * autocast
+
+
+def arguments(description: str, dtypes: tuple[str, ...] = ("bf16",)) -> argparse.Namespace:
+    """The recipes' command line: --model, --steps, --inner (and --dtype where it has a choice)."""
+    parser = argparse.ArgumentParser(description=description.splitlines()[0])
+    parser.add_argument("--model", default="gpt2", choices=["gpt2", "bert"])
+    parser.add_argument("--dtype", default=dtypes[0], choices=list(dtypes))
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--inner", default="inductor", choices=["inductor", "eager"])
+    transformers.logging.set_verbosity_error()
+    return parser.parse_args()
