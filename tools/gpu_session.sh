@@ -2,9 +2,9 @@
 # The GPU items of issues 27 (compile backend vs compiled autocast) and 29 (FP8 GEMMs) in one
 # device call, most valuable first; each section has its own time limit, so one that hangs or
 # fails costs only its own time. Results go to $OUT (at most 8 files come back).
-#   OUT=/tmp/out bash tools/gpu_session.sh [all|peers]
-# peers: on a machine where our FP8 rows were just measured, only the peers' FP8 rows (same
-# machine: comparable) and the backend sections.
+#   OUT=/tmp/out bash tools/gpu_session.sh [all|rest]
+# all: smoke tests, FP8 on the Llama shape with its peers, the backend in bf16 (~9 minutes);
+# rest (a second call on the warm machine): the backend in fp16, FP8 row-wise and GPT-2.
 #   BENCH_EXTRA='--device cpu --tiny' OUT=/tmp/out bash tools/gpu_session.sh   # CPU dry run
 # The lent device's image has torch, transformers and lightning but not ortools or torchao:
 # carry their wheels in .whl (see /work/.library/device/README.md); they are installed here.
@@ -30,54 +30,22 @@ FP8="python3 -m amp_rewrite.bench fp8 $EXTRA"
   python3 -c "import torchao; print('torchao', torchao.__version__)"
   nproc; } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
-if [ "$MODE" = peers ]; then
-  section "backend bf16" 170 $TRAIN --models bert gpt2 llama resnet50 --compile on \
-      --dtype bf16 --variants autocast backend --steps 10 --warmup 3 --json "$OUT/backend.json"
-  section "fp8 peers" 120 $FP8 --models llama --variants bf16_rewrite autocast_bf16_compiled \
-      torchao_tensorwise torchao_rowwise --steps 10 --warmup 3 --json "$OUT/fp8.json"
-  exit 0
-fi
+if [ "$MODE" = all ]; then
 # fail fast: tiny models through the backend and the FP8 rewrite
 section "smoke" 60 $TRAIN --tiny --models gpt2 --variants autocast backend --compile on \
     --dtype bf16 --steps 2 --warmup 1 --json "$OUT/smoke.json"
 section "smoke fp8" 60 $FP8 --tiny --models gpt2 --variants fp8_tensorwise --steps 2 \
     --warmup 1 --json "$OUT/smoke_fp8.json"
-# which _scaled_mm dtype/scaling pairs this GPU runs, and the FP8 rewrite on a small MLP
-[ -z "$EXTRA" ] && section "fp8 kernels" 60 python3 - <<'PY'
-import torch
-E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
-M, K, N = 64, 32, 48
-for ad in (E4, E5):
-    for rw in (False, True):
-        a = torch.randn(M, K, device="cuda").to(ad); b = torch.randn(N, K, device="cuda").to(E4)
-        sa, sb = ((torch.rand(M, 1, device="cuda") + .5, torch.rand(1, N, device="cuda") + .5) if rw
-                  else (torch.tensor(.5, device="cuda"), torch.tensor(2., device="cuda")))
-        try:
-            out = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
-            ref = (a.float() * sa) @ (b.float().t() * sb)
-            print("scaled_mm", ad, "rowwise" if rw else "tensorwise", "OK", (out.float() - ref).abs().max().item())
-        except Exception as e:
-            print("scaled_mm", ad, "rowwise" if rw else "tensorwise", "FAIL", str(e).splitlines()[0][:150])
-
-import torch, amp_rewrite
-torch.manual_seed(0)
-m = torch.nn.Sequential(torch.nn.Linear(100, 200), torch.nn.GELU(), torch.nn.Linear(200, 64)).cuda()
-x = torch.randn(4, 30, 100, device="cuda")
-for scaling in ("tensorwise", "rowwise"):
-    for gd in ("e5m2", "e4m3"):
-        try:
-            gm = amp_rewrite.rewrite(m, (x,), dtype=torch.bfloat16, fp8=scaling, fp8_min_size=0, fp8_grad_dtype=gd)
-            y = gm(x); y.float().square().mean().backward()
-            ref = m(x)
-            print("rewrite", scaling, gd, gm.amp_report["fp8"]["counts"], "rel", ((y.float()-ref).norm()/ref.norm()).item(),
-                  all(torch.isfinite(p.grad).all().item() for p in gm.parameters()))
-        except Exception as e:
-            print("rewrite", scaling, gd, "FAIL", type(e).__name__, str(e).splitlines()[0][:200])
-PY
-# issue 29: FP8 vs bf16 vs autocast vs torchao on the Llama shape and GPT-2 small
-section "fp8" 180 $FP8 --steps 10 --warmup 3 --json "$OUT/fp8.json"
-# issue 27: the backend vs compiled autocast, bf16 then fp16 (+ GradScaler / AmpOptimizer)
+# issue 29: FP8 vs bf16 vs autocast vs torchao on the Llama shape (each variant compiles for
+# 40-50 s on an H100 host); issue 27: the backend vs compiled autocast (bf16)
+section "fp8 llama" 280 $FP8 --models llama --variants bf16_rewrite fp8_tensorwise \
+    autocast_bf16_compiled torchao_tensorwise torchao_rowwise --steps 10 --warmup 3 \
+    --json "$OUT/fp8.json"
 section "backend bf16" 170 $TRAIN --models bert gpt2 llama resnet50 --compile on --dtype bf16 \
     --variants autocast backend --steps 10 --warmup 3 --json "$OUT/backend.json"
-section "backend fp16" 100 $TRAIN --models bert gpt2 llama resnet50 --compile on --dtype fp16 \
+else  # rest: a second call on the warm machine
+section "backend fp16" 250 $TRAIN --models bert gpt2 llama resnet50 --compile on --dtype fp16 \
     --variants autocast backend backend_gradscaler --steps 10 --warmup 3 --json "$OUT/backend.json"
+section "fp8 gpt2 rowwise" 250 $FP8 --models gpt2 llama --variants fp8_rowwise bf16_rewrite \
+    --steps 10 --warmup 3 --json "$OUT/fp8_rest.json"
+fi
