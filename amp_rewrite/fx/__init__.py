@@ -128,7 +128,9 @@ def rewrite_graph(gm: torch.fx.GraphModule, *, dtype: torch.dtype | str = torch.
                   rules: Iterable[str] = (), keep_fp32: Iterable[str] = (),
                   keep_io_types: bool = True, device: str | None = None,
                   autocast_floor: bool = True, pad: bool | PadPolicy | None = None,
-                  fuse: bool = True, emulate_gemms: bool | None = None
+                  fuse: bool = True, emulate_gemms: bool | None = None,
+                  fp8: str | None = None, fp8_grad_dtype: torch.dtype | str | None = None,
+                  fp8_min_size: int | None = None, keep_bf16: Iterable[str] = ()
                   ) -> torch.fx.GraphModule:
     """Run the passes on a captured GraphModule (``meta['val']`` on its nodes), in place.
 
@@ -136,12 +138,13 @@ def rewrite_graph(gm: torch.fx.GraphModule, *, dtype: torch.dtype | str = torch.
     on 'cpu' the ``torch_cpu.toml`` overlay moves to gray the ops CPU kernels compute in fp32
     internally (norms, softmax, interpolation: CPU autocast runs them low too), norms read
     fp32 weights with low data, and ``softmax(dtype=float32)`` counts its input conversion.
-    ``emulate_gemms``: as in ``rewrite`` (CPU GEMM emulation, ``fx/lowering.py``).
+    ``emulate_gemms`` and the FP8 options: as in ``rewrite``.
     """
     return _rewrite_graph(gm, FxOptions.checked(
         dtype=dtype, rules=rules, keep_fp32=keep_fp32, keep_io_types=keep_io_types,
         device=device, autocast_floor=autocast_floor, pad=pad, fuse=fuse,
-        emulate_gemms=emulate_gemms))
+        emulate_gemms=emulate_gemms, fp8=fp8, fp8_grad_dtype=fp8_grad_dtype,
+        fp8_min_size=fp8_min_size, keep_bf16=keep_bf16))
 
 
 def _rewrite_graph(gm: torch.fx.GraphModule, options: FxOptions) -> torch.fx.GraphModule:

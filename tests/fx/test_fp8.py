@@ -17,6 +17,8 @@ import amp_rewrite
 from amp_rewrite.arguments import ArgumentError
 from amp_rewrite.core.fp8 import Fp8Policy, Gemm, plan_fp8, should_fp8, step_seconds
 from amp_rewrite.fx import fp8 as fx_fp8
+from amp_rewrite.fx import rewrite_graph
+from amp_rewrite.fx.capture import capture
 from amp_rewrite.fx.fp8 import E4M3, E5M2, fp8_linear, quantize
 
 H100 = Fp8Policy()
@@ -233,6 +235,16 @@ def test_second_rewrite_changes_nothing_and_explain_names_the_fp8_gemm():
     assert f"fp8 GEMM (M, N, K) = ({record['m']}, {record['n']}, {record['k']})" in lines[-1]
     plain = amp_rewrite.rewrite(gm, (ids,), dtype=torch.bfloat16)  # FP8 off: back to bf16
     assert not any(n.target is fp8_linear for n in plain.graph.nodes)
+
+
+def test_rewrite_graph_takes_the_fp8_options_as_rewrite_does():
+    ids = _ids()
+    options = {"dtype": torch.bfloat16, "fp8": "tensorwise", "fp8_min_size": 0}
+    expected = amp_rewrite.rewrite(_lm("llama"), (ids,), **options)
+    captured = capture(_lm("llama"), (ids,), {})
+    gm = rewrite_graph(captured, **options)
+    assert gm.amp_report["fp8"]["counts"] == expected.amp_report["fp8"]["counts"]
+    assert gm.amp_report["fp8"]["counts"].get("fp8", 0) > 0
 
 
 def test_a_cuda_plan_runs_on_cpu_tensors_and_keep_bf16_holds():
