@@ -334,3 +334,35 @@ def test_200_fp8_training_steps_end_within_2_percent_of_the_bf16_rewrite(name):
     assert all(math.isfinite(x) for x in fp8)
     assert final["bf16"] < sum(bf16[:5]) / 5 - 0.1  # it learned something (nats)
     assert abs(final["fp8"] - final["bf16"]) <= 0.02 * final["bf16"], final
+
+
+def _train_torchao(name: str, batches: list[torch.Tensor]) -> list[float]:
+    """The peer: torchao's tensor-wise float8 recipe on the same LM, under bf16 autocast."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    model = _lm(name)
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("tensorwise"),
+                               module_filter_fn=lambda m, _: m.in_features % 16 == 0
+                               and m.out_features % 16 == 0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for ids in batches:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(ids)
+        loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, 100), ids[:, 1:].reshape(-1))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_200_fp8_training_steps_end_within_2_percent_of_torchaos_float8(name):
+    pytest.importorskip("torchao.float8")  # not a test dependency: runs where it is installed
+    batches = _markov_batches(200)
+    ours = _train(name, batches, fp8="tensorwise", fp8_min_size=0)
+    peer = _train_torchao(name, batches)
+    mean = lambda losses: sum(losses[-10:]) / 10  # noqa: E731
+    assert abs(mean(ours) - mean(peer)) <= 0.02 * mean(peer)
