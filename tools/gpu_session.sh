@@ -8,15 +8,20 @@
 #   BENCH_EXTRA='--device cpu --tiny' OUT=/tmp/out bash tools/gpu_session.sh   # CPU dry run
 # The lent device's image has torch, transformers and lightning but not ortools or torchao:
 # carry their wheels in .whl (see /work/.library/device/README.md); they are installed here.
+# Run it from the checkout's root.
 set -u
 MODE=${1:-all}
 OUT=${OUT:-results/gpu}
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+      --target /tmp/site .whl/*.whl || echo "the carried wheels did not install (another Python?)"
 fi
-export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1 AMP_REWRITE_FORK=0
+# amp_rewrite itself, installed: its rule files ship as the package amp_rewrite.rules, which a
+# source checkout on PYTHONPATH does not have; the benchmarks then run outside the checkout
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . || exit 1
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 AMP_REWRITE_FORK=0
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd) && cd "$(mktemp -d)" || exit 1
 exec > >(tee -a "$OUT/log.txt") 2>&1
 section() {
   echo "=== $(date +%T) $1 (limit $2 s)"; shift
