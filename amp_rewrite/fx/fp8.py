@@ -33,7 +33,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from amp_rewrite import arguments
 from amp_rewrite.core.fp8 import MULTIPLE, Fp8Choice, Fp8Policy, Gemm, plan_fp8
 from amp_rewrite.fx.apply import insert_cast, retyped
-from amp_rewrite.fx.lowering import _erase, _hint, _val
+from amp_rewrite.fx.lowering import erase_node
+from amp_rewrite.fx.opkeys import size_hint, tensor_val
 from amp_rewrite.fx.view import is_cast
 
 aten = torch.ops.aten
@@ -223,17 +224,17 @@ def _operands(node: Node) -> tuple[Node, Node, Node | None, bool] | str:
         bias, x, w, transposed = *args, True
     else:
         (x, w), bias, transposed = args, None, True
-    shapes = [_val(a) for a in (x, w)]
+    shapes = [tensor_val(a) for a in (x, w)]
     if any(s is None for s in shapes) or shapes[0].dim() < 2 or shapes[1].dim() != 2:
         return "operands are not (…, K) × 2-D: torch._scaled_mm multiplies 2-D matrices"
-    if bias is not None and (_val(bias) is None or _val(bias).dim() != 1):
+    if bias is not None and (tensor_val(bias) is None or tensor_val(bias).dim() != 1):
         return "the bias is not a vector"
     return x, w, bias, transposed
 
 
 def _fp32_source(w: Node) -> Node:
     """The FP32 value a weight operand is the inserted bf16 cast of, else the operand."""
-    if is_cast(w) and _val(w.args[0]) is not None and _val(w.args[0]).dtype == torch.float32:
+    if is_cast(w) and tensor_val(w.args[0]) is not None and tensor_val(w.args[0]).dtype == torch.float32:
         return w.args[0]
     return w
 
@@ -275,7 +276,7 @@ class Fp8Gemms(PassBase):
 
     def _refusal(self, node: Node) -> tuple[str, str] | None:
         """(dtype, why) for a GEMM that is not an FP8 candidate, else None (legality)."""
-        val = _val(node)
+        val = tensor_val(node)
         if val is None or val.dtype != torch.bfloat16:
             return "fp32", "runs fp32 in the precision plan: FP8 replaces bf16 GEMMs only"
         pattern = next((p for p in self.options.keep_bf16 if fnmatch.fnmatchcase(node.name, p)),
@@ -288,13 +289,13 @@ class Fp8Gemms(PassBase):
     @staticmethod
     def _gemm(node: Node, operands: tuple, training: bool) -> Gemm:
         x, w, _, transposed = operands
-        xs, ws = _val(x).shape, _val(w).shape
+        xs, ws = tensor_val(x).shape, tensor_val(w).shape
         m = 1
         for d in xs[:-1]:
-            m *= _hint(d)
-        n = _hint(ws[1] if transposed else ws[0])
+            m *= size_hint(d)
+        n = size_hint(ws[1] if transposed else ws[0])
         weight = _fp32_source(w).op in ("get_attr", "placeholder")
-        return Gemm(node, node.name, m, n, _hint(xs[-1]), x, weight, training)
+        return Gemm(node, node.name, m, n, size_hint(xs[-1]), x, weight, training)
 
     def _retarget(self, graph: torch.fx.Graph, node: Node, x: Node, w: Node,
                   bias: Node | None, transposed: bool) -> None:
@@ -305,7 +306,7 @@ class Fp8Gemms(PassBase):
         node.kwargs = {"transposed": transposed, "scaling": self.options.scaling,
                        "grad_dtype": self.options.grad_dtype}
         if source is not w and not w.users:
-            _erase(graph, w)
+            erase_node(graph, w)
 
     def _record(self, node: Node, choice: Fp8Choice | None,
                 refused: tuple[str, str] | None) -> dict:
@@ -351,7 +352,7 @@ class RestoreFp8Gemms(PassBase):
         for node in nodes:
             target, arity = node.meta.pop(FP8_TAG)
             x, w, bias = node.args
-            if _val(w).dtype != torch.bfloat16:
+            if tensor_val(w).dtype != torch.bfloat16:
                 w = self._bf16_cast(graph, w, memo)
             node.target, node.kwargs = target, {}
             node.args = _restored_args(target, arity, x, w, bias)
@@ -363,10 +364,10 @@ class RestoreFp8Gemms(PassBase):
     @staticmethod
     def _bf16_cast(graph: torch.fx.Graph, value: Node, memo: dict) -> Node:
         for user in value.users:
-            if is_cast(user) and _val(user) is not None and _val(user).dtype == torch.bfloat16:
+            if is_cast(user) and tensor_val(user) is not None and tensor_val(user).dtype == torch.bfloat16:
                 return user
         cast = insert_cast(graph, value, torch.bfloat16)
-        cast.meta["val"] = retyped(_val(value), torch.bfloat16, memo)
+        cast.meta["val"] = retyped(tensor_val(value), torch.bfloat16, memo)
         return cast
 
 

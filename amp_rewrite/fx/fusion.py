@@ -27,6 +27,8 @@ from torch.fx import Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 from torch.fx.subgraph_rewriter import replace_pattern_with_filters
 
+from amp_rewrite.fx.opkeys import tensor_val
+
 aten = torch.ops.aten
 FUSED_TAG = "amp_rewrite_fused"  # node.meta key: the pattern a fused node replaced
 FUSED_FROM = "amp_rewrite_fused_from"  # node.meta key: the ops it replaced, for explain()
@@ -92,11 +94,6 @@ class FuseTanhGelu(PassBase):
 
 # --- helpers on ATen nodes ------------------------------------------------------------------
 
-def _val(node: object) -> torch.Tensor | None:
-    val = node.meta.get("val") if isinstance(node, Node) else None
-    return val if isinstance(val, torch.Tensor) else None
-
-
 def _is(node: object, *targets: object) -> bool:
     return isinstance(node, Node) and node.op == "call_function" and node.target in targets
 
@@ -109,7 +106,7 @@ def _readers(node: Node) -> list[Node]:
 def _is_identity(node: Node) -> bool:
     """A conversion to the dtype the value already has, ``alias``, or dropout that is off."""
     if _is(node, aten.to.dtype, aten._to_copy.default, aten.alias.default, aten.clone.default):
-        src, out = _val(node.args[0]), _val(node)
+        src, out = tensor_val(node.args[0]), tensor_val(node)
         extra = {k for k in node.kwargs if k not in ("dtype", "memory_format")}
         return (src is not None and out is not None and src.dtype == out.dtype
                 and src.device == out.device and not extra)
@@ -224,10 +221,10 @@ class FuseAttention(_AnchoredFusion):
 
     def _fuse(self, gm: torch.fx.GraphModule, softmax: Node) -> int:
         match = _Match({softmax})
-        scores_in, val = softmax.args[0], _val(softmax)
+        scores_in, val = softmax.args[0], tensor_val(softmax)
         if val is None or not val.is_floating_point() or not _last_dim(softmax.args[1], val.dim()):
             return 0
-        if _val(scores_in) is None or _val(scores_in).dtype != val.dtype:
+        if tensor_val(scores_in) is None or tensor_val(scores_in).dtype != val.dtype:
             return 0
         pv, dropout_p = self._probs_to_matmul(softmax, match)
         if pv is None:
@@ -273,7 +270,7 @@ class FuseAttention(_AnchoredFusion):
 
     def _scores(self, node: Node, match: _Match) -> _Scores | None:
         """Backward from the softmax input: masks (outermost), then scale, then q·kᵀ."""
-        if not isinstance(node, Node) or _val(node) is None:
+        if not isinstance(node, Node) or tensor_val(node) is None:
             return None
         match.nodes.add(node)
         if _is(node, *_MATMULS):
@@ -298,9 +295,9 @@ class FuseAttention(_AnchoredFusion):
 
     def _masked(self, add: Node, match: _Match) -> _Scores | None:
         for scores, mask in (add.args, add.args[::-1]):
-            if not isinstance(mask, Node) or _val(mask) is None:
+            if not isinstance(mask, Node) or tensor_val(mask) is None:
                 continue
-            if _val(mask).dtype != _val(add).dtype:
+            if tensor_val(mask).dtype != tensor_val(add).dtype:
                 continue
             trial = _Match(set(match.nodes))
             inner = self._scores(scores, trial)
@@ -312,7 +309,7 @@ class FuseAttention(_AnchoredFusion):
 
     @staticmethod
     def _shapes_fit(q: object, k_t: object, v: object, dtype: torch.dtype) -> bool:
-        vals = [_val(x) for x in (q, k_t, v)]
+        vals = [tensor_val(x) for x in (q, k_t, v)]
         if any(x is None or x.dtype != dtype or x.dim() < 3 for x in vals):
             return False
         qv, kv, vv = vals
@@ -323,7 +320,7 @@ class FuseAttention(_AnchoredFusion):
     @staticmethod
     def _untransposed(gm: torch.fx.GraphModule, k_t: Node) -> Node:
         """``k`` from ``kᵀ``: the transpose's input when it swaps the last two dims."""
-        rank = _val(k_t).dim()
+        rank = tensor_val(k_t).dim()
         if _is(k_t, aten.transpose.int):
             dims = {d % rank for d in k_t.args[1:3]}
             if dims == {rank - 2, rank - 1}:
@@ -363,7 +360,7 @@ class FuseNorms(_AnchoredFusion):
         if normed is None:
             return 0
         weight, bias, out = self._affine(normed, match, allow_bias=mean is not None)
-        x_val, out_val = _val(x), _val(out)
+        x_val, out_val = tensor_val(x), tensor_val(out)
         if x_val is None or out_val is None or x_val.dtype != out_val.dtype:
             return 0
         if x_val.shape != out_val.shape or not x_val.is_floating_point():
@@ -386,9 +383,9 @@ class FuseNorms(_AnchoredFusion):
         if added is None:
             return None
         mean, eps = added
-        if not _is(mean, aten.mean.dim) or _val(mean) is None:
+        if not _is(mean, aten.mean.dim) or tensor_val(mean) is None:
             return None
-        if not _last_dim(mean.args[1], _val(mean).dim()) or not _keepdim(mean):
+        if not _last_dim(mean.args[1], tensor_val(mean).dim()) or not _keepdim(mean):
             return None
         square = mean.args[0]
         t = _squared(square)
@@ -402,8 +399,8 @@ class FuseNorms(_AnchoredFusion):
         """``t = x - mean(x, -1, keepdim)`` → ``(x, mean)``; else ``(t, None)`` (RMS)."""
         if _is(t, aten.sub.Tensor) and len(t.args) == 2 and not t.kwargs:
             x, mean = t.args
-            if (_is(mean, aten.mean.dim) and mean.args[0] is x and _val(mean) is not None
-                    and _last_dim(mean.args[1], _val(mean).dim()) and _keepdim(mean)):
+            if (_is(mean, aten.mean.dim) and mean.args[0] is x and tensor_val(mean) is not None
+                    and _last_dim(mean.args[1], tensor_val(mean).dim()) and _keepdim(mean)):
                 match.nodes |= {t, mean}
                 return x, mean
         return t, None  # the model's own conversion stays the input: its fp32 request holds
@@ -439,7 +436,7 @@ class FuseNorms(_AnchoredFusion):
                 ) -> tuple[Node | None, Node | None, Node]:
         """Optional identity conversion, ``* w`` and (layer norm) ``+ b`` over the last dim."""
         node, weight, bias = normed, None, None
-        size = _val(normed).shape[-1] if _val(normed) is not None else None
+        size = tensor_val(normed).shape[-1] if tensor_val(normed) is not None else None
         while True:
             readers = _readers(node)
             if len(readers) != 1:
@@ -450,7 +447,7 @@ class FuseNorms(_AnchoredFusion):
                 node = user
                 continue
             other = _vector_operand(user, node, size)
-            if other is None or _val(user) is None or _val(user).shape != _val(node).shape:
+            if other is None or tensor_val(user) is None or tensor_val(user).shape != tensor_val(node).shape:
                 return weight, bias, node
             if weight is None and bias is None and user.target is aten.mul.Tensor:
                 weight = other
@@ -481,7 +478,7 @@ def _vector_operand(user: Node, node: Node, size: int | None) -> Node | None:
     if not _is(user, aten.mul.Tensor, aten.add.Tensor) or len(user.args) != 2 or user.kwargs:
         return None
     other = user.args[1] if user.args[0] is node else user.args[0]
-    val = _val(other)
+    val = tensor_val(other)
     if val is None or val.dim() != 1 or val.shape[0] != size or other is node:
         return None
     return other

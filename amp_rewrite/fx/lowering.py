@@ -29,6 +29,7 @@ from torch.fx import Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from amp_rewrite.fx.apply import retyped
+from amp_rewrite.fx.opkeys import size_hint, tensor_val
 
 logger = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -95,28 +96,20 @@ def attention_timings() -> list[dict]:
 
 def _signature(node: Node) -> tuple:
     def describe(a):
-        val = _val(a)
+        val = tensor_val(a)
         if val is not None:
-            return (tuple(_hint(d) for d in val.shape), val.dtype)
+            return (tuple(size_hint(d) for d in val.shape), val.dtype)
         return a if isinstance(a, (int, float, bool, str, type(None))) else repr(a)
     return (tuple(map(describe, node.args)),
             tuple(sorted((k, describe(v)) for k, v in node.kwargs.items())))
 
 
-def _hint(dim) -> int:
-    """A concrete size for a (possibly symbolic) dimension: its example value."""
-    if isinstance(dim, int):
-        return dim
-    hint = getattr(getattr(dim, "node", None), "hint", None)
-    return int(hint) if hint is not None else 64
-
-
 def _example(a, grad: bool):
     """A real tensor like ``a``'s example value (zeros for a mask: no -inf rows)."""
-    val = _val(a)
+    val = tensor_val(a)
     if val is None:
         return a
-    shape = [_hint(d) for d in val.shape]
+    shape = [size_hint(d) for d in val.shape]
     if val.dtype == torch.bool:
         return torch.ones(shape, dtype=torch.bool)
     t = torch.randn(shape).to(val.dtype) if grad else torch.zeros(shape, dtype=val.dtype)
@@ -133,7 +126,7 @@ def _time_attention(node: Node, train: bool) -> tuple[bool, float, float]:
         args[4] = 0.0
     elif "dropout_p" in kwargs:
         kwargs["dropout_p"] = 0.0
-    low = _val(node).dtype
+    low = tensor_val(node).dtype
 
     def run(fp32: bool) -> None:
         call_args = [a.float() if fp32 and _is_low(a) else a for a in args]
@@ -159,7 +152,7 @@ def _time_attention(node: Node, train: bool) -> tuple[bool, float, float]:
 
 
 def _needs_grad(a) -> bool:
-    val = _val(a)
+    val = tensor_val(a)
     return val is not None and bool(val.requires_grad)
 
 
@@ -167,24 +160,19 @@ def _is_low(a) -> bool:
     return isinstance(a, torch.Tensor) and a.dtype in _LOW
 
 
-def _val(node: object) -> torch.Tensor | None:
-    val = node.meta.get("val") if isinstance(node, Node) else None
-    return val if isinstance(val, torch.Tensor) else None
-
-
 def _float_inputs(node: Node) -> list[Node]:
     return [a for a in node.all_input_nodes
-            if _val(a) is not None and _val(a).dtype.is_floating_point]
+            if tensor_val(a) is not None and tensor_val(a).dtype.is_floating_point]
 
 
 def _is_low_kernel(node: Node) -> bool:
     """A kernel the plan runs low: low output, every floating input in that same dtype."""
-    out = _val(node)
+    out = tensor_val(node)
     if node.op != "call_function" or node.target not in KERNELS or out is None \
             or out.dtype not in _LOW or out.device.type != "cpu":
         return False
     inputs = _float_inputs(node)
-    return bool(inputs) and all(_val(a).dtype == out.dtype for a in inputs)
+    return bool(inputs) and all(tensor_val(a).dtype == out.dtype for a in inputs)
 
 
 def _cast(graph: torch.fx.Graph, value: Node, dtype: torch.dtype, role: str,
@@ -192,7 +180,7 @@ def _cast(graph: torch.fx.Graph, value: Node, dtype: torch.dtype, role: str,
     with graph.inserting_after(value):
         node = graph.create_node("call_function", aten._to_copy.default, (value,),
                                  {"dtype": dtype}, name=f"{value.name}_{_SHORT[dtype]}")
-    node.meta["val"] = retyped(_val(value), dtype, memo)
+    node.meta["val"] = retyped(tensor_val(value), dtype, memo)
     node.meta[LOWERED_TAG] = role
     for key in ("nn_module_stack", "stack_trace"):
         if key in value.meta:
@@ -224,7 +212,7 @@ class EmulateLowKernels(PassBase):
         for node, why in chosen:
             if why is None:
                 continue
-            low = _val(node).dtype
+            low = tensor_val(node).dtype
             upcast = {a: _fp32_of(graph, a, memo) for a in _float_inputs(node)}
             node.args = torch.fx.node.map_arg(node.args, lambda a: upcast.get(a, a))
             node.kwargs = torch.fx.node.map_arg(node.kwargs, lambda a: upcast.get(a, a))
@@ -253,14 +241,14 @@ class RestoreLowKernels(PassBase):
         for node in kernels:
             for user in [u for u in node.users if u.meta.get(LOWERED_TAG) == "result"]:
                 user.replace_all_uses_with(node)
-                _erase(graph, user)
+                erase_node(graph, user)
             for arg in node.all_input_nodes:
                 if arg.target is aten._to_copy.default and arg.meta.get("val") is not None \
-                        and _val(arg.args[0]) is not None \
-                        and _val(arg.args[0]).dtype == node.meta[_LOW_VAL].dtype:
+                        and tensor_val(arg.args[0]) is not None \
+                        and tensor_val(arg.args[0]).dtype == node.meta[_LOW_VAL].dtype:
                     node.replace_input_with(arg, arg.args[0])
                     if not arg.users and arg.meta.get(LOWERED_TAG) == "operand":
-                        _erase(graph, arg)
+                        erase_node(graph, arg)
             node.meta["val"] = node.meta.pop(_LOW_VAL)
             del node.meta[LOWERED_TAG]
             node.meta.pop(_WHY, None)
@@ -270,7 +258,7 @@ class RestoreLowKernels(PassBase):
         return PassResult(graph_module, bool(kernels))
 
 
-def _erase(graph: torch.fx.Graph, node: Node) -> None:
+def erase_node(graph: torch.fx.Graph, node: Node) -> None:
     """Erase ``node`` and free its name, so the cast re-created by the next lowering gets
     the same name (fx keeps erased names reserved): a second rewrite gives the same code."""
     graph.erase_node(node)

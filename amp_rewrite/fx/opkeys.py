@@ -69,6 +69,20 @@ _MODULE_FAMILIES = [
 ]
 
 
+def tensor_val(node: object) -> torch.Tensor | None:
+    """The fake tensor a node carries in ``meta['val']``, or None (non-nodes, non-tensors)."""
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def size_hint(dim: int | torch.SymInt) -> int:
+    """A concrete size for a (possibly symbolic) dimension: its example value, else 64."""
+    if isinstance(dim, int):
+        return dim
+    hint = getattr(getattr(dim, "node", None), "hint", None)
+    return int(hint) if hint is not None else 64
+
+
 def strip_inplace(name: str) -> str:
     """``add_`` → ``add``; dunders such as ``__and__`` stay as they are."""
     if name.endswith("_") and not name.endswith("__"):

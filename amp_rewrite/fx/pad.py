@@ -22,6 +22,7 @@ from amp_rewrite.core.padding import (AxisPad, PadGraph, PadInput, PadKind, PadO
                                       PaddingPlan, PadPolicy, PadValue, padding_report,
                                       plan_padding)
 from amp_rewrite.fx.apply import insert_cast
+from amp_rewrite.fx.opkeys import tensor_val
 from amp_rewrite.fx.view import is_cast
 
 aten = torch.ops.aten
@@ -44,13 +45,8 @@ def _packet(node: Node) -> object | None:
     return getattr(target, "overloadpacket", None) if node.op == "call_function" else None
 
 
-def _val(node: object) -> torch.Tensor | None:
-    val = node.meta.get("val") if isinstance(node, Node) else None
-    return val if isinstance(val, torch.Tensor) else None
-
-
 def _shape(node: Node) -> tuple | None:
-    val = _val(node)
+    val = tensor_val(node)
     if val is None:
         return None
     return tuple(_static(d) for d in val.shape)
@@ -66,7 +62,7 @@ def _static(dim: int | torch.SymInt) -> int | str:
 
 def _hint(node: Node) -> tuple[int | None, ...] | None:
     """Example sizes of symbolic dims (the capture's example inputs), for cost estimates."""
-    val = _val(node)
+    val = tensor_val(node)
     if val is None or all(isinstance(d, int) for d in val.shape):
         return None
     return tuple(int(d) if isinstance(d, int) else _size_hint(d) for d in val.shape)
@@ -114,8 +110,8 @@ class PadGemms(PassBase):
     def build(self, graph: torch.fx.Graph) -> PadGraph:
         g = PadGraph()
         for node in graph.nodes:
-            if _val(node) is not None:
-                val = _val(node)
+            if tensor_val(node) is not None:
+                val = tensor_val(node)
                 g.add_value(PadValue(node, node.name, _shape(node), _is_constant(node),
                                      val.element_size(), _hint(node)))
         for node in graph.nodes:
@@ -129,7 +125,7 @@ class PadGemms(PassBase):
         inputs = tuple(a for a in args if a in g.values)
         outputs = (node,) if node in g.values else ()
         base = PadOp(node, node.name, PadKind.OPAQUE, inputs, outputs)
-        val = _val(node)
+        val = tensor_val(node)
         if val is None or node.op != "call_function":
             return base
         low = val.dtype in self.low
@@ -152,7 +148,7 @@ def _dtype_only(node: Node) -> bool:
 
 
 def _rank(node: object) -> int:
-    val = _val(node)
+    val = tensor_val(node)
     return val.dim() if val is not None else -1
 
 
