@@ -36,8 +36,10 @@ def classify_groups(graph: PrecisionGraph, rules: RuleSet) -> dict[Hashable, OpC
 
 def rule_fixes(graph: PrecisionGraph, rules: RuleSet, classes: dict[Hashable, OpClass],
                keep_fp32: Iterable[str] = ()) -> dict[Hashable, Fix]:
-    """Fixes from the adapter, user pins and allow/deny classes."""
-    patterns = list(keep_fp32)
+    """Fixes from the adapter, user pins (``keep_fp32`` and the rules' ``[keep_fp32]``)
+    and allow/deny classes."""
+    patterns = [(p, f"pinned to fp32 by keep_fp32 pattern {p!r}") for p in keep_fp32]
+    patterns += [(e.pattern, f"{e.reason} [{e.source}]") for e in rules.pins]
     fixes: dict[Hashable, Fix] = {}
     by_op: dict[tuple, Fix | None] = {}  # class fixes depend on the op only: share them
     for group in graph.groups():
@@ -52,12 +54,12 @@ def rule_fixes(graph: PrecisionGraph, rules: RuleSet, classes: dict[Hashable, Op
     return fixes
 
 
-def _adapter_or_pin_fix(group, patterns: list[str]) -> Fix | None:
+def _adapter_or_pin_fix(group, patterns: list[tuple[str, str]]) -> Fix | None:
     if group.fixed is not None:
         return Fix(group.fixed, group.reason or "fixed by the adapter")
-    for pattern in patterns:
+    for pattern, reason in patterns:
         if fnmatch.fnmatchcase(group.name, pattern):
-            return Fix(Precision.HIGH, f"pinned to fp32 by keep_fp32 pattern {pattern!r}")
+            return Fix(Precision.HIGH, reason)
     return None
 
 

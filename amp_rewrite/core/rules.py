@@ -10,6 +10,10 @@ Such an op that runs fp32 because of its *input* (deny: an fp16 angle loses phas
 start deny propagation: gray/clear ops downstream of it stay free and the min cut decides where
 its output is cast. Overlays add entries; ``AMP_REWRITE_BOUNDED_OUTPUT_ADD`` and ``_REMOVE``
 apply last, like the class variables.
+
+A ``[keep_fp32]`` table (node-name fnmatch pattern = "reason") pins nodes fp32 as
+``--keep-fp32`` does, with the reason ``--explain`` prints: the accuracy budget's
+``--emit-rules`` writes one, so the budgeted plan is reproduced without the search.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ ENV_FILES = "AMP_REWRITE_RULES"
 ENV_PREFIX = "AMP_REWRITE_"
 # Variables of the package that are not rule lists (runtime, bench and tools read them).
 BOUNDED_OUTPUT = "bounded_output"  # the table of ops whose output is bounded (module docstring)
+KEEP_FP32 = "keep_fp32"  # the table of node-name patterns pinned fp32 (module docstring)
 OTHER_ENV_VARS = frozenset({"AMP_REWRITE_CACHE", "AMP_REWRITE_MODELOPT_PYTHON",
                             "AMP_REWRITE_FUSED_BACKEND", "AMP_REWRITE_FORK"})
 
@@ -65,6 +70,15 @@ class RuleEntry:
 
 
 @dataclass(frozen=True)
+class PinEntry:
+    """A node-name pattern pinned fp32 (``[keep_fp32]``), why, and which file said so."""
+
+    pattern: str
+    reason: str
+    source: str
+
+
+@dataclass(frozen=True)
 class BoundedEntry:
     """One op whose output is bounded (``[bounded_output]``), why, and who said so."""
 
@@ -77,9 +91,10 @@ class RuleSet:
     """The effective op → class mapping after all overlays, and the bounded-output ops."""
 
     def __init__(self, entries: Iterable[RuleEntry] = (),
-                 bounded: Iterable[BoundedEntry] = ()) -> None:
+                 bounded: Iterable[BoundedEntry] = (), pins: Iterable[PinEntry] = ()) -> None:
         self._entries: dict[str, RuleEntry] = {e.op: e for e in entries}
         self._bounded: dict[str, BoundedEntry] = {e.op: e for e in bounded}
+        self.pins: tuple[PinEntry, ...] = tuple({e.pattern: e for e in pins}.values())
 
     def classify(self, op_key: str) -> RuleEntry | None:
         return self._entries.get(op_key)
@@ -101,24 +116,24 @@ class RuleSet:
     def bounded_entries(self) -> list[BoundedEntry]:
         return sorted(self._bounded.values(), key=lambda e: e.op)
 
-    def overlay(self, entries: Iterable[RuleEntry],
-                bounded: Iterable[BoundedEntry] = ()) -> RuleSet:
+    def overlay(self, entries: Iterable[RuleEntry], bounded: Iterable[BoundedEntry] = (),
+                pins: Iterable[PinEntry] = ()) -> RuleSet:
         merged = dict(self._entries)
         merged.update((e.op, e) for e in entries)
         merged_bounded = dict(self._bounded)
         merged_bounded.update((e.op, e) for e in bounded)
-        return RuleSet(merged.values(), merged_bounded.values())
+        return RuleSet(merged.values(), merged_bounded.values(), [*self.pins, *pins])
 
     def without(self, op_class: OpClass, ops: Iterable[str]) -> RuleSet:
         drop = set(ops)
         return RuleSet((e for e in self._entries.values()
                         if not (e.op in drop and e.op_class is op_class)),
-                       self._bounded.values())
+                       self._bounded.values(), self.pins)
 
     def without_bounded(self, ops: Iterable[str]) -> RuleSet:
         drop = set(ops)
         return RuleSet(self._entries.values(),
-                       (e for e in self._bounded.values() if e.op not in drop))
+                       (e for e in self._bounded.values() if e.op not in drop), self.pins)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -140,7 +155,7 @@ def parse_rule_file(path: str | Path) -> list[RuleEntry]:
     data = _read_rule_file(path)
     entries: dict[str, RuleEntry] = {}
     for class_name, table in data.items():
-        if class_name in ("schema", BOUNDED_OUTPUT):
+        if class_name in ("schema", BOUNDED_OUTPUT, KEEP_FP32):
             continue
         op_class = _parse_class(path, class_name, table)
         for op, reason in table.items():
@@ -159,6 +174,20 @@ def parse_bounded_output(path: str | Path) -> list[BoundedEntry]:
             raise RuleFileError(f"{path}: [{BOUNDED_OUTPUT}] {op}: the value must be a "
                                 "non-empty reason string")
     return [BoundedEntry(op, reason.strip(), str(path)) for op, reason in table.items()]
+
+
+def parse_pins(path: str | Path) -> list[PinEntry]:
+    """The ``[keep_fp32]`` table of one rule file (empty when it has none)."""
+    path = Path(path)
+    table = _read_rule_file(path).get(KEEP_FP32, {})
+    if not isinstance(table, dict):
+        raise RuleFileError(f"{path}: [{KEEP_FP32}] must be a table of "
+                            "\"node-name pattern\" = \"reason\"")
+    for pattern, reason in table.items():
+        if not isinstance(reason, str) or not reason.strip():
+            raise RuleFileError(f"{path}: [{KEEP_FP32}] {pattern}: the value must be a "
+                                "non-empty reason string")
+    return [PinEntry(p, r.strip(), str(path)) for p, r in table.items()]
 
 
 def _read_rule_file(path: Path) -> dict:
@@ -184,7 +213,7 @@ def _parse_class(path: Path, class_name: str, table: object) -> OpClass:
     names = [c.value for c in RULE_CLASSES]
     if class_name not in names:
         raise RuleFileError(f"{path}: unknown class [{class_name}]; expected one of {names} "
-                            f"(or [{BOUNDED_OUTPUT}])")
+                            f"(or [{BOUNDED_OUTPUT}], [{KEEP_FP32}])")
     if not isinstance(table, dict):
         raise RuleFileError(f"{path}: [{class_name}] must be a table of op = \"reason\"")
     return OpClass(class_name)
@@ -237,7 +266,7 @@ def load_rules(domain: str, extra_files: Iterable[str | Path] = (),
     overlays = []
     for path in [*extra_files, *env_files]:
         overlays.append(parse_rule_file(path))
-        rules = rules.overlay(overlays[-1], parse_bounded_output(path))
+        rules = rules.overlay(overlays[-1], parse_bounded_output(path), parse_pins(path))
     warn_env_names(env)
     if known_ops is not None:
         known = {e.op for e in packaged} | set(known_ops)

@@ -34,6 +34,8 @@ class RewriteResult:
     _proto: onnx.ModelProto | None = None
     _report: Report | None = None
     opset_conversion: str | None = None  # why and how the opset was converted for bf16
+    budget: dict | None = None  # the accuracy budget's report section (max_error given)
+    pinned_by_budget: list | None = None
 
     @functools.cached_property
     def report(self) -> dict:
@@ -49,6 +51,9 @@ class RewriteResult:
             self._report = self.pass_.report()
             self._report.extra.update(seconds=round(self.seconds, 3),
                                       opset_conversion=self.opset_conversion)
+            if self.budget is not None:
+                self._report.extra.update(budget=self.budget,
+                                          pinned_by_budget=self.pinned_by_budget)
         return self._report
 
     def proto(self) -> onnx.ModelProto:
@@ -87,7 +92,9 @@ def rewrite_onnx_model(source: Source, *,
                        clamp_constants: bool = False, opset: int | None = None,
                        pad: bool | PadPolicy = True, fuse: bool = True,
                        target: str = "ort", low_io: Iterable[str] = (),
-                       keep_opset: bool = False) -> RewriteResult:
+                       keep_opset: bool = False, max_error: float | None = None,
+                       max_evaluations: int = 25, emit_rules: str | os.PathLike | None = None,
+                       progress=None) -> RewriteResult:
     """Load, rewrite and check a model; returns the onnx_ir model and the report.
 
     Constants the low dtype cannot hold keep their readers fp32 (the report lists them
@@ -103,6 +110,12 @@ def rewrite_onnx_model(source: Source, *,
     bf16 on a model whose opset does not admit it for compute ops (Conv below opset 22)
     converts the opset first (the report's ``opset_conversion``); ``keep_opset=True``
     refuses such a model instead (ModelError).
+    ``max_error``: plan against an accuracy budget (``amp_rewrite.onnx.budget``): the most
+    low-precision compute whose relative output error (the ``--validate`` metric) on the
+    calibration data, or seeded random inputs, stays within it, in at most
+    ``max_evaluations`` measured plans; the report's ``budget`` says what was achieved, also
+    on held-out inputs. ``emit_rules``: write a rule overlay reproducing the plan without
+    the search. ``progress(done, error)`` is called after each measured plan.
     """
     start = time.perf_counter()
     low = LowDtype.parse(dtype)
@@ -118,6 +131,11 @@ def rewrite_onnx_model(source: Source, *,
             low_io=tuple(_patterns(low_io)))
         rules_ = onnx_rules(options.rules)
         loaded, conversion = _low_dtype_opset(loaded, low, rules_, opset, keep_opset)
+        outcome = None
+        if max_error is not None:
+            outcome = _search_budget(loaded, options, rules_, max_error, calibration_data,
+                                     max_evaluations, progress)
+            options = dataclasses.replace(options, budget_pins=outcome.pins)
         model = loaded.model
         pass_ = MixedPrecisionPass(options, rules_, loaded.info)
         pass_(model)
@@ -128,8 +146,44 @@ def rewrite_onnx_model(source: Source, *,
         result = RewriteResult(model, pass_, loaded.info, opset_conversion=conversion)
         if check:
             _check_output(result, source)
+        if outcome is not None:
+            result.budget, result.pinned_by_budget = outcome.report(), outcome.pinned()
+            result.budget.update(_held_out_on_runtime(result, outcome))
+            if emit_rules is not None:
+                from amp_rewrite.onnx.budget import write_rule_overlay
+
+                write_rule_overlay(emit_rules, pass_, outcome, options)
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _search_budget(loaded: LoadedModel, options: OnnxOptions, rules, max_error: float,
+                   data, max_evaluations: int, progress):
+    """The accuracy-budget search on an FP32 copy of the loaded model."""
+    from amp_rewrite.onnx import budget
+
+    proto = save.proto_with_weights(loaded.model, loaded.info)
+    search, held, inputs, held_inputs = budget.default_feeds(proto, data)
+    copy = ir.from_proto(proto)
+    pass_ = MixedPrecisionPass(dataclasses.replace(options, pad=False), rules)
+    outcome = budget.search_budget(pass_, copy, max_error, search, held,
+                                   max_evaluations=max_evaluations, inputs=inputs,
+                                   held_out_inputs=held_inputs, progress=progress)
+    outcome.fp32, outcome.held_feeds = proto, held
+    return outcome
+
+
+def _held_out_on_runtime(result: RewriteResult, outcome) -> dict:
+    """The rewritten model's error on the held-out inputs in onnxruntime (fp16: its CPU
+    provider runs fp16 models; bf16 has no CPU kernels here, so only the emulation counts)."""
+    from amp_rewrite.onnx import validate
+
+    if result.pass_.options.dtype is not LowDtype.FLOAT16 or result.needs_external_data:
+        return {"held_out_onnxruntime": None}
+    errors, _ = validate.validate(outcome.fp32, result.proto(), LowDtype.FLOAT16,
+                                  feeds=outcome.held_feeds)
+    worst = max((float("inf") if e.new_nonfinite else e.max_rel for e in errors), default=0.0)
+    return {"held_out_onnxruntime": "inf" if worst == float("inf") else float(f"{worst:.4g}")}
 
 
 def _patterns(patterns: Iterable[str] | str) -> list[str]:

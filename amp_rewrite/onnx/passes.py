@@ -47,6 +47,8 @@ class OnnxOptions:
     target: str = "ort"  # "ort": contrib ops allowed; "onnx": standard ops only
     # fnmatch patterns of main-graph inputs/outputs made low (a KV cache); others keep types
     low_io: tuple[str, ...] = ()
+    # node name -> reason: pinned fp32 by the accuracy budget (amp_rewrite.onnx.budget)
+    budget_pins: Mapping[str, str] = field(default_factory=dict)
 
 
 class MixedPrecisionPass(ir.passes.InPlacePass):
@@ -68,6 +70,18 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
         self.low_io: dict = {}
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        self.prepare(model)
+        self.plan = self.plan_view()
+        _warn_unmatched_patterns(self.options.keep_fp32, self.view)
+        self.stats = apply_plan(model, self.view, self.plan)
+        self.pad_stats = (pad_model(model, self.options.pad_policy) if self.options.pad
+                          else PadStats())
+        _forget_load_time_types(self.info.untyped)
+        return ir.passes.PassResult(model, modified=self.modified
+                                    or bool(self.fusion and self.fusion.rule_hits))
+
+    def prepare(self, model: ir.Model) -> OnnxView:
+        """Fuse patterns and build the precision view (the steps before the plan)."""
         if self.options.fuse:  # DESIGN §4: fuse first, then plan
             self.fusion = FusionPass(self.options.target)
             self.fusion(model)
@@ -83,17 +97,15 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
                                inferred_sizes=self.info.inferred_sizes)
         if self.options.low_io:
             self.low_io = low_io_report(model, self.options.low_io)
-        self.plan = plan_precision(self.view.graph, self.rules,
-                                   keep_fp32=self.options.keep_fp32, pins=self._pins(),
-                                   savings_weight=self.options.savings_weight,
-                                   wide_values=self.view.wide_values)
-        _warn_unmatched_patterns(self.options.keep_fp32, self.view)
-        self.stats = apply_plan(model, self.view, self.plan)
-        self.pad_stats = (pad_model(model, self.options.pad_policy) if self.options.pad
-                          else PadStats())
-        _forget_load_time_types(self.info.untyped)
-        return ir.passes.PassResult(model, modified=self.modified
-                                    or bool(self.fusion and self.fusion.rule_hits))
+        return self.view
+
+    def plan_view(self, extra_pins: Mapping | None = None) -> PrecisionPlan:
+        """The plan of the prepared view; ``extra_pins``: group key -> reason, fixed high
+        besides the options' pins (the accuracy-budget search re-plans with them)."""
+        return plan_precision(self.view.graph, self.rules, keep_fp32=self.options.keep_fp32,
+                              pins={**self._pins(), **(extra_pins or {})},
+                              savings_weight=self.options.savings_weight,
+                              wide_values=self.view.wide_values)
 
     @property
     def modified(self) -> bool:
@@ -105,10 +117,12 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
         high: a producer run low overflows, and a reader run low reads the value through a
         Cast to the low dtype, which overflows just the same (the down-projection reading a
         hot FFN intermediate was the case calibration missed)."""
+        pins = {k: self.options.budget_pins[node.name]
+                for k, (node, _) in self.view.groups.items()
+                if node.name in self.options.budget_pins}
         hot = self.options.pinned_values
         if not hot:
-            return {}
-        pins = {}
+            return pins
         groups = [(k, node.outputs, pg.outputs, node.inputs, pg.inputs)
                   for k, (node, pg) in self.view.groups.items()]
         groups += [(k, node.outputs, tie.outputs, node.inputs, tie.inputs)

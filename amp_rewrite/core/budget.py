@@ -1,0 +1,203 @@
+"""The accuracy-budget search: the fewest, cheapest fp32 pins that bring the error under E.
+
+Pure: the adapter supplies the candidate units (nodes the default plan runs low, with their
+FLOPs as the weight the search tries to keep low) and ``evaluate(pins) -> error``, which
+re-plans with ``pins`` fixed HIGH (the exact min cut places the casts anew) and measures the
+relative output error under low-precision rounding. The search spends at most
+``max_evaluations`` calls:
+
+1. the default plan (no pins): within E, it is the answer;
+2. every unit pinned: above E, E is unreachable and that plan is the answer;
+3. contributions: when the units are few enough, each unit's error measured with it alone
+   low and every other unit pinned (less step 2's error: an overflow elsewhere cannot hide
+   it); else the adapter's estimate (``Unit.score``);
+4. an additive model, error ≈ floor + Σ contributions of the low units, turned into a
+   0/1 knapsack: keep low the most weight whose contributions fit in a capacity. The
+   capacity starts at E − floor and is searched (doubling, halving, then bisection) on
+   measured errors, since real errors compound or cancel where the model adds;
+5. pruning: the heaviest pinned units of the best plan are unpinned one at a time while
+   the measured error stays within E, until the evaluations run out.
+
+Every plan returned was measured within E (or is step 2's).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+DEFAULT_MAX_EVALUATIONS = 25
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A candidate for pinning: one node the default plan runs low."""
+
+    key: Hashable
+    weight: float  # FLOPs (or any cost of running it high): the share the search protects
+    score: float | None = None  # the adapter's estimate of its error contribution
+
+
+@dataclass(frozen=True)
+class BudgetResult:
+    budget: float
+    pins: tuple[Hashable, ...]  # heaviest first
+    error: float  # of the returned plan, on the search inputs
+    start_error: float  # the default plan's
+    floor_error: float | None  # every unit pinned (None: not measured, the default was within)
+    evaluations: int
+    reachable: bool
+    contributions: Mapping[Hashable, float] = field(default_factory=dict)
+    measured: bool = False  # contributions measured one unit at a time (else estimated)
+
+    def low_share(self, units: Iterable[Unit]) -> float:
+        """Share of the units' weight still low in the returned plan."""
+        units = list(units)
+        total = sum(u.weight for u in units)
+        pinned = set(self.pins)
+        return sum(u.weight for u in units if u.key not in pinned) / total if total else 1.0
+
+
+class _Evaluator:
+    """``evaluate`` with a cache and a count; a NaN error counts as infinite."""
+
+    def __init__(self, evaluate: Callable[[frozenset], float], limit: int,
+                 progress: Callable[[int, float], None] | None) -> None:
+        self._evaluate, self.limit, self._progress = evaluate, limit, progress
+        self.cache: dict[frozenset, float] = {}
+
+    @property
+    def left(self) -> int:
+        return self.limit - len(self.cache)
+
+    def __call__(self, pins: Iterable[Hashable]) -> float:
+        pins = frozenset(pins)
+        if pins not in self.cache:
+            error = float(self._evaluate(pins))
+            self.cache[pins] = math.inf if math.isnan(error) else error
+            if self._progress:
+                self._progress(len(self.cache), self.cache[pins])
+        return self.cache[pins]
+
+
+def search(units: Iterable[Unit], evaluate: Callable[[frozenset], float], budget: float, *,
+           max_evaluations: int = DEFAULT_MAX_EVALUATIONS,
+           progress: Callable[[int, float], None] | None = None) -> BudgetResult:
+    """The plan with the most low weight whose measured error is within ``budget``
+    (module docstring). ``progress(evaluations_done, error)`` is called after each one."""
+    if max_evaluations < 2:
+        raise ValueError("max_evaluations must be at least 2")
+    units = sorted(units, key=lambda u: str(u.key))  # deterministic whatever the caller's order
+    ev = _Evaluator(evaluate, max_evaluations, progress)
+    start = ev(())
+    if start <= budget or not units:
+        return BudgetResult(budget, (), start, start, None, len(ev.cache), start <= budget)
+    everything = tuple(u.key for u in units)
+    floor = ev(everything)
+    if floor > budget:
+        return BudgetResult(budget, everything, floor, start, floor, len(ev.cache), False)
+    contributions, measured = _contributions(units, ev, floor)
+    best = _capacity_search(units, contributions, ev, budget, budget - floor)
+    weight = {u.key: u.weight for u in units}
+    pins = sorted(best, key=lambda k: (-weight[k], str(k)))
+    for key in list(pins):
+        trial = [k for k in pins if k != key]
+        if frozenset(trial) not in ev.cache and ev.left <= 0:
+            break
+        if ev(trial) <= budget:
+            pins = trial
+    return BudgetResult(budget, tuple(pins), ev(pins), start, floor, len(ev.cache), True,
+                        contributions, measured)
+
+
+_CAPACITY_ROUNDS = 60
+_KNAPSACK_STEPS = 2000  # capacity resolution: contributions round up to 1/2000 of it
+
+
+def _capacity_search(units: list[Unit], contributions: Mapping[Hashable, float],
+                     ev: _Evaluator, budget: float, capacity: float) -> list[Hashable]:
+    """The measured-feasible pin set with the least pinned weight among the knapsack plans
+    tried (step 4); every unit pinned if none was feasible."""
+    everything = [u.key for u in units]
+    weight = {u.key: u.weight for u in units}
+    best, best_pinned = everything, sum(weight.values())
+    feasible_cap, infeasible_cap = 0.0, math.inf
+    capacity = max(capacity, 1e-30)
+    for _ in range(_CAPACITY_ROUNDS):  # a plan seen before costs no evaluation
+        if ev.left <= 1 or infeasible_cap / max(feasible_cap, 1e-300) < 1.01:
+            break
+        pins = frozenset(everything) - _knapsack(units, contributions, capacity)
+        if ev(pins) <= budget:
+            pinned = sum(weight[k] for k in pins)
+            if pinned < best_pinned:
+                best, best_pinned = list(pins), pinned
+            feasible_cap = capacity
+        else:
+            infeasible_cap = capacity
+        if math.isinf(infeasible_cap):
+            capacity *= 2
+        elif feasible_cap == 0.0:
+            capacity /= 2
+        else:
+            capacity = math.sqrt(feasible_cap * infeasible_cap)
+    return best
+
+
+def _knapsack(units: list[Unit], contributions: Mapping[Hashable, float],
+              capacity: float) -> frozenset:
+    """The units kept low: the most weight whose contributions fit in ``capacity``, exact on
+    contributions rounded up to ``capacity / _KNAPSACK_STEPS`` (units contributing nothing
+    are always kept, infinite ones never)."""
+    import numpy as np
+
+    kept = {u.key for u in units if contributions[u.key] <= 0}
+    items = [(u.key, u.weight, math.ceil(contributions[u.key] / capacity * _KNAPSACK_STEPS))
+             for u in units if 0 < contributions[u.key] < math.inf]
+    items = [(k, w, c) for k, w, c in items if c <= _KNAPSACK_STEPS]
+    if not items:
+        return frozenset(kept)
+    best = np.full(_KNAPSACK_STEPS + 1, -np.inf)
+    best[0] = 0.0
+    take = np.zeros((len(items), _KNAPSACK_STEPS + 1), dtype=bool)
+    for i, (_, w, c) in enumerate(items):
+        shifted = np.full_like(best, -np.inf)
+        shifted[c:] = best[:len(best) - c] + w
+        take[i] = shifted > best
+        best = np.maximum(best, shifted)
+    used = int(np.argmax(best))
+    for i in range(len(items) - 1, -1, -1):
+        if take[i, used]:
+            kept.add(items[i][0])
+            used -= items[i][2]
+    return frozenset(kept)
+
+
+def _contributions(units: list[Unit], ev: _Evaluator, floor: float
+                   ) -> tuple[dict[Hashable, float], bool]:
+    """Each unit's contribution: measured alone low when the evaluations allow it and still
+    leave a bisection and some pruning, else the adapter's score (0 where it has none)."""
+    n = len(units)
+    reserve = math.ceil(math.log2(n + 1)) + 2
+    if n + reserve <= ev.left:
+        keys = [u.key for u in units]
+        return {k: ev([o for o in keys if o != k]) - floor for k in keys}, True
+    return {u.key: u.score or 0.0 for u in units}, False
+
+
+def fnmatch_literal(name: str) -> str:
+    """An fnmatch pattern matching exactly ``name`` (``[``, ``*``, ``?`` escaped)."""
+    return "".join(f"[{c}]" if c in "[]*?" else c for c in name)
+
+
+def rule_overlay(pins: Iterable[tuple[str, str, str]], header: Iterable[str] = ()) -> str:
+    """A rule file (``core.rules`` format) whose ``[keep_fp32]`` table holds ``pins``:
+    (node-name pattern, reason, comment line or ""), each pattern a TOML basic string."""
+    import json
+
+    lines = [f"# {h}" for h in header] + ["schema = 1", "", "[keep_fp32]"]
+    for pattern, reason, comment in pins:
+        if comment:
+            lines.append(f"# {comment}")
+        lines.append(f"{json.dumps(pattern, ensure_ascii=False)} = "
+                     f"{json.dumps(reason, ensure_ascii=False)}")
+    return "\n".join(lines) + "\n"

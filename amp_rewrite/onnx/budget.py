@@ -1,0 +1,387 @@
+"""The accuracy budget on the ONNX path: measure plans under per-op rounding, search pins.
+
+One instrumented copy of the fused FP32 model serves every evaluation. Each port group of the
+main graph gets a boolean graph input (its flag); every float input and output of the group
+goes through ``Where(flag, Cast(Cast(x, low), float), x)``. With a plan's labels as the flags,
+the copy computes each op in float32 on inputs rounded to the low dtype and rounds its outputs
+once: what a GPU kernel with fp32 accumulation does, and what ``onnx.reference`` shows (tested
+against it). Casts need no emulation: a value read in the other dtype is the rounded value.
+Flags all off give the FP32 reference. A new plan costs one min cut and one session run, not
+a rewrite.
+
+Units are main-graph nodes the default plan runs low whose precision the rules decide (the
+adapter's fixes stay); their weight is FLOPs from the shapes of one FP32 run. Where the units
+are too many to measure one by one, each unit's score is the error it injects in the default
+plan: the relative error of its outputs less that of its inputs (``core.budget``). Subgraph
+bodies run in FP32 in the emulation.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from amp_rewrite.core import LowDtype, Precision
+from amp_rewrite.core import budget as core_budget
+from amp_rewrite.errors import UsageError
+from amp_rewrite.onnx import validate
+
+logger = logging.getLogger(__name__)
+
+_FLAG_PREFIX = "amp_rewrite.budget_flag."
+_LOW_ONNX = {LowDtype.FLOAT16: ir.DataType.FLOAT16, LowDtype.BFLOAT16: ir.DataType.BFLOAT16}
+
+
+@dataclass
+class BudgetOutcome:
+    """What the search chose and measured, for the final rewrite and the report."""
+
+    pins: dict[str, str]  # node name -> reason (OnnxOptions.budget_pins)
+    result: core_budget.BudgetResult
+    units: list[core_budget.Unit]
+    inputs: str  # where the search inputs came from
+    held_out_inputs: str
+    held_out_error: float
+    default_held_out_error: float
+    seconds: float
+    names: dict = field(default_factory=dict)  # unit key -> node name
+    fp32: onnx.ModelProto | None = None  # the FP32 model and held-out inputs, for the
+    held_feeds: dict | None = None  # rewritten model's own check (api._held_out_on_runtime)
+
+    def report(self) -> dict:
+        r = self.result
+        return {"max_error": r.budget, "reachable": r.reachable,
+                "achieved": _finite(r.error), "held_out": _finite(self.held_out_error),
+                "default_plan_error": _finite(r.start_error),
+                "default_plan_held_out": _finite(self.default_held_out_error),
+                "all_pinned_error": _finite(r.floor_error),
+                "evaluations": r.evaluations, "seconds": round(self.seconds, 3),
+                "contributions": "measured" if r.measured else "estimated",
+                "low_flop_share": round(r.low_share(self.units), 4),
+                "default_low_flop_share": 1.0,
+                "inputs": self.inputs, "held_out_inputs": self.held_out_inputs,
+                "emulation": "onnxruntime float32 kernels, every low input and output rounded"}
+
+    def pinned(self) -> list[dict]:
+        weight = {u.key: u.weight for u in self.units}
+        return [{"node": self.names[k], "contribution": _finite(self.result.contributions.get(k)),
+                 "flops": weight[k]} for k in self.result.pins]
+
+
+def _finite(x: float | None) -> float | str | None:
+    if x is None:
+        return None
+    return "inf" if math.isinf(x) else float(f"{x:.4g}")
+
+
+class Emulator:
+    """The instrumented model of a prepared pass (module docstring) and its session."""
+
+    def __init__(self, pass_, model: ir.Model) -> None:
+        self.pass_ = pass_
+        self.view = pass_.view
+        self.low = _LOW_ONNX[self.view.low]
+        self.flags: dict = {}  # group key -> flag input name
+        self.visible: dict[str, str] = {}  # value name -> the name its readers see
+        self.outputs = [v.name for v in model.graph.outputs]
+        # before instrumenting: the names the model gives each node's inputs and outputs
+        self.node_io = {node.name: ([v.name if v is not None else "" for v in node.inputs],
+                                    [v.name for v in node.outputs], node.op_type)
+                        for node, _ in self.view.groups.values()}
+        self._instrument(model)
+        self.session = _session(ir.to_proto(model))
+        self.fetchable = [o.name for o in self.session.get_outputs()]
+
+    def _instrument(self, model: ir.Model) -> None:
+        graph = model.graph
+        rounded: dict[ir.Value, ir.Value] = {}
+        flags: dict = {}
+        # outputs first: readers of a rounded output then see the Where, not the raw value
+        for i, (key, (node, pg)) in enumerate(self.view.groups.items()):
+            if node.graph is not graph:
+                continue
+            flag = ir.Value(name=f"{_FLAG_PREFIX}{i}", type=ir.TensorType(ir.DataType.BOOL),
+                            shape=ir.Shape([]))
+            graph.inputs.append(flag)
+            self.flags[key], flags[key] = flag.name, flag
+            for j in pg.outputs:
+                out = node.outputs[j]
+                if out.dtype == ir.DataType.FLOAT and out.name not in self.visible:
+                    self._round_output(graph, node, out, flag, rounded)
+        for key, (node, pg) in self.view.groups.items():
+            flag = flags.get(key)
+            if flag is None:
+                continue
+            for i in pg.inputs:
+                v = node.inputs[i]
+                if v is None or v.dtype != ir.DataType.FLOAT:
+                    continue
+                chosen = self._where(graph, flag, self._rounded(graph, v, rounded), v,
+                                     f"{v.name}.read{i}.{node.name}")
+                node.replace_input_with(i, chosen)
+        graph.sort()
+        existing = set(self.outputs)
+        for node in list(graph):
+            for v in node.outputs:
+                if v.dtype == ir.DataType.FLOAT and v.name and v.name not in existing:
+                    graph.outputs.append(v)
+                    existing.add(v.name)
+
+    def _round_output(self, graph, node, out: ir.Value, flag, rounded) -> None:
+        uses = list(out.uses())
+        was_output = out.is_graph_output()
+        chosen = self._where(graph, flag, self._rounded(graph, out, rounded), out,
+                             f"{out.name}.rounded")
+        for use in uses:
+            use.node.replace_input_with(use.idx, chosen)
+        if was_output:
+            index = next(k for k, v in enumerate(graph.outputs) if v is out)
+            name = out.name
+            out.name, chosen.name = f"{name}.unrounded", name
+            graph.outputs[index] = chosen
+            self.visible[name] = name
+        else:
+            self.visible[out.name] = chosen.name
+
+    def _rounded(self, graph, v: ir.Value, rounded: dict) -> ir.Value:
+        if v not in rounded:
+            down = ir.node("Cast", [v], {"to": self.low})
+            up = ir.node("Cast", [down.outputs[0]], {"to": ir.DataType.FLOAT})
+            down.outputs[0].name, up.outputs[0].name = f"{v.name}.low", f"{v.name}.round"
+            up.outputs[0].dtype = ir.DataType.FLOAT
+            graph.extend([down, up])
+            rounded[v] = up.outputs[0]
+        return rounded[v]
+
+    def _where(self, graph, flag, a, b, name: str) -> ir.Value:
+        node = ir.node("Where", [flag, a, b])
+        node.outputs[0].name = name
+        node.outputs[0].dtype = ir.DataType.FLOAT
+        graph.append(node)
+        return node.outputs[0]
+
+    def run(self, feeds: Mapping[str, np.ndarray], plan, fetch: list[str] | None = None
+            ) -> list[np.ndarray]:
+        """Outputs (or ``fetch``) under ``plan`` (None: all FP32)."""
+        flags = {name: np.array(plan is not None and plan.precision(k) is Precision.LOW)
+                 for k, name in self.flags.items()}
+        return self.session.run(fetch or self.outputs, {**feeds, **flags})
+
+    def error(self, feeds, reference: list[np.ndarray], plan) -> float:
+        got = self.run(feeds, plan)
+        errors = validate.compare(dict(zip(self.outputs, reference)),
+                                  dict(zip(self.outputs, got)))
+        return max((math.inf if e.new_nonfinite else e.max_rel for e in errors), default=0.0)
+
+
+def _session(proto: onnx.ModelProto):
+    import onnxruntime as ort
+
+    from amp_rewrite.onnx.versions import loadable
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 4
+    # no graph optimisation: it may fold a float -> low -> float Cast pair, the rounding itself
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(loadable(proto).SerializeToString(), opts,
+                                providers=["CPUExecutionProvider"])
+
+
+def node_flops(op_type: str, inputs: list, outputs: list) -> float:
+    """FLOPs of one node from the shapes of its inputs and outputs (arrays or shapes)."""
+    def shape(x):
+        return tuple(getattr(x, "shape", x) or ())
+
+    out = shape(outputs[0]) if outputs else ()
+    out_n = float(math.prod(out)) if out else 1.0
+    ins = [shape(x) if x is not None else () for x in inputs]
+    if op_type in ("MatMul", "FusedMatMul", "Gemm") and ins and ins[0]:
+        return 2.0 * out_n * ins[0][-1]  # K of A as stored (Gemm's transA is rare)
+    if op_type in ("Conv", "ConvTranspose") and len(ins) > 1 and len(ins[1]) > 2:
+        # Conv: each output reads C_in/groups · kernel weights; ConvTranspose: each input
+        base = out_n if op_type == "Conv" else float(math.prod(ins[0]))
+        return 2.0 * base * math.prod(ins[1][1:])
+    if op_type in ("MultiHeadAttention", "Attention", "GroupQueryAttention",
+                   "PackedMultiHeadAttention") and ins and ins[0]:
+        q = ins[0]
+        kv = ins[1] if len(ins) > 1 and ins[1] else q
+        s_kv = kv[-2] if len(kv) == 4 else kv[1] if len(kv) == 3 else q[-2]
+        return 4.0 * float(math.prod(q)) * s_kv
+    return out_n
+
+
+def default_feeds(proto: onnx.ModelProto, data) -> tuple[dict, dict, str, str]:
+    """(search feeds, held-out feeds, where each came from): the calibration data split in
+    two along a leading batch dim when it has ≥ 2 rows everywhere, else the data searched
+    and seeded random inputs held out; without data, two seeded random draws."""
+    if data is None:
+        return (validate.random_feeds(proto, seed=0), validate.random_feeds(proto, seed=1),
+                "seeded random inputs (no --calibrate data)",
+                "seeded random inputs (another seed)")
+    feeds = validate.load_feeds(data)
+    validate.check_feeds(proto, feeds)
+    rows = {np.asarray(a).shape[0] if np.asarray(a).ndim else 0 for a in feeds.values()}
+    if len(rows) == 1 and min(rows) >= 2 and _batch_dim_free(proto):
+        half = min(rows) // 2
+        return ({k: np.asarray(a)[:half] for k, a in feeds.items()},
+                {k: np.asarray(a)[half:] for k, a in feeds.items()},
+                f"the calibration data, rows 0-{half - 1}",
+                f"the calibration data, rows {half}-{min(rows) - 1}")
+    return (feeds, validate.random_feeds(proto, seed=1), "the calibration data",
+            "seeded random inputs (the data has one row: nothing to hold out)")
+
+
+def _batch_dim_free(proto: onnx.ModelProto) -> bool:
+    inits = {t.name for t in proto.graph.initializer}
+    for inp in proto.graph.input:
+        if inp.name in inits:
+            continue
+        dims = inp.type.tensor_type.shape.dim
+        if not dims or dims[0].HasField("dim_value"):
+            return False
+    return True
+
+
+def search_budget(pass_, model: ir.Model, max_error: float, search_feeds: dict,
+                  held_feeds: dict, *, max_evaluations: int = core_budget.DEFAULT_MAX_EVALUATIONS,
+                  inputs: str = "", held_out_inputs: str = "",
+                  progress: Callable[[int, float], None] | None = None) -> BudgetOutcome:
+    """Search the pins of ``pass_`` (an OnnxOptions pass not yet run) on ``model`` (an FP32
+    copy it may fuse and instrument) for ``max_error`` (module docstring)."""
+    if not (max_error >= 0 and math.isfinite(max_error)):
+        raise UsageError(f"--max-error must be a finite number >= 0, got {max_error}")
+    start = time.perf_counter()
+    pass_.prepare(model)
+    default = pass_.plan_view()
+    emulator = Emulator(pass_, model)
+    reference = emulator.run(search_feeds, None)
+    units, unit_groups, names = _units(pass_, default, emulator, search_feeds)
+    unit_list = list(units.values())
+    if len(unit_list) > max_evaluations - 4:  # too many to measure alone: estimate them
+        _score(unit_list, emulator, search_feeds, default, names)
+
+    def plan_of(pins: frozenset):
+        extra = {g: "pinned fp32 by the accuracy budget" for k in pins for g in unit_groups[k]}
+        return pass_.plan_view(extra) if extra else default
+
+    def evaluate(pins: frozenset) -> float:
+        return emulator.error(search_feeds, reference, plan_of(pins))
+
+    result = core_budget.search(unit_list, evaluate, max_error,
+                                max_evaluations=max_evaluations, progress=progress)
+    held_reference = emulator.run(held_feeds, None)
+    held = emulator.error(held_feeds, held_reference, plan_of(frozenset(result.pins)))
+    held_default = emulator.error(held_feeds, held_reference, default)
+    if held > max_error:
+        logger.warning("accuracy budget: the plan's error on held-out inputs is %.3g, above "
+                       "--max-error %g (%.3g on the inputs searched); pass more varied "
+                       "--calibrate data", held, max_error, result.error)
+    pins = {names[k]: _pin_reason(result, k) for k in result.pins}
+    return BudgetOutcome(pins, result, unit_list, inputs, held_out_inputs, held,
+                         held_default, time.perf_counter() - start, names)
+
+
+def _pin_reason(result: core_budget.BudgetResult, key) -> str:
+    c = result.contributions.get(key)
+    how = "measured alone low" if result.measured else "estimated in the default plan"
+    amount = "" if c is None else (f": {how}, it adds {_finite(c)} to the output error")
+    return f"pinned fp32 by the accuracy budget --max-error {result.budget:g}{amount}"
+
+
+def _units(pass_, default, emulator: Emulator, feeds) -> tuple[dict, dict, dict]:
+    """(node name -> Unit, node name -> its group keys, name -> name) for the main-graph
+    nodes the default plan runs low by the rules' choice; FLOPs from one FP32 run."""
+    graph = pass_.view.graph
+    groups: dict[str, list] = {}
+    for key, (node, _) in pass_.view.groups.items():
+        if key not in emulator.flags or not node.name:
+            continue
+        if graph.group(key).fixed is not None:
+            continue
+        groups.setdefault(node.name, []).append(key)
+    low = {n for n, ks in groups.items() if any(default.precision(k) is Precision.LOW for k in ks)}
+    duplicated = _duplicate_names(pass_)
+    names_ = sorted(low - duplicated)
+    shapes = _shapes(emulator, feeds)
+    units = {}
+    for name in names_:
+        ins, outs, op = emulator.node_io[name]
+        weight = node_flops(op, [shapes.get(v) for v in ins], [shapes.get(v) for v in outs])
+        units[name] = core_budget.Unit(name, weight)
+    return units, {n: groups[n] for n in names_}, {n: n for n in names_}
+
+
+def _duplicate_names(pass_) -> set[str]:
+    seen, dup = set(), set()
+    for node, _ in {id(n): (n, p) for n, p in pass_.view.groups.values()}.values():
+        (dup if node.name in seen else seen).add(node.name)
+    return dup
+
+
+def _shapes(emulator: Emulator, feeds) -> dict[str, tuple]:
+    """Shape of every value of the main graph in one FP32 run (feeds and weights too)."""
+    got = dict(zip(emulator.fetchable, emulator.run(feeds, None, emulator.fetchable)))
+    shapes = {n: a.shape for n, a in got.items()}
+    shapes.update({raw: shapes[seen] for raw, seen in emulator.visible.items() if seen in shapes})
+    shapes.update({k: np.asarray(v).shape for k, v in feeds.items()})
+    for init in emulator.view.graphs[0].initializers.values():
+        if init.shape is not None:
+            shapes[init.name] = tuple(d if isinstance(d, int) else 1 for d in init.shape.dims)
+    return shapes
+
+
+def _score(units: list, emulator: Emulator, feeds, default, names) -> None:
+    """Each unit's injected error in the default plan: max relative error of its outputs
+    less that of its inputs, both against the FP32 run (in place on ``units``)."""
+    fetch = emulator.fetchable
+    fp32 = dict(zip(fetch, emulator.run(feeds, None, fetch)))
+    low = dict(zip(fetch, emulator.run(feeds, default, fetch)))
+    rel_cache: dict[str, float] = {}
+
+    def rel(name: str) -> float:
+        seen = emulator.visible.get(name, name)
+        if seen not in rel_cache:
+            a, b = fp32.get(seen), low.get(seen)
+            if a is None or b is None:
+                rel_cache[seen] = 0.0
+            else:
+                e = validate.compare({seen: a}, {seen: b})[0]
+                rel_cache[seen] = math.inf if e.new_nonfinite else e.max_rel
+        return rel_cache[seen]
+
+    for i, unit in enumerate(units):
+        ins, outs, _ = emulator.node_io[names[unit.key]]
+        out_err = max((rel(v) for v in outs), default=0.0)
+        in_err = max((rel(v) for v in ins if v), default=0.0)
+        injected = math.inf if math.isinf(out_err) and not math.isinf(in_err) else max(
+            out_err - in_err, 0.0) if math.isfinite(out_err) else 0.0
+        units[i] = core_budget.Unit(unit.key, unit.weight, injected)
+
+
+def write_rule_overlay(path, pass_, outcome: BudgetOutcome, options) -> None:
+    """A rule overlay reproducing the budgeted plan without the search or the data: the
+    budget's pins, the nodes calibration pinned and the ``--keep-fp32`` patterns given."""
+    from amp_rewrite.onnx.save import write_bytes_atomically
+
+    weight = {u.key: u.weight for u in outcome.units}
+    r = outcome.result
+    entries = [(core_budget.fnmatch_literal(outcome.names[k]), outcome.pins[outcome.names[k]],
+                f"contribution {_finite(r.contributions.get(k))}, {weight[k]:.4g} FLOPs")
+               for k in r.pins]
+    calibrated = sorted({pass_.view.graph.group(k).name
+                         for k, d in pass_.plan.decisions.items()
+                         if d.fixed and d.reason.startswith("calibration saw")} - {""})
+    entries += [(core_budget.fnmatch_literal(n), "pinned fp32 by calibration (--calibrate)", "")
+                for n in calibrated]
+    entries += [(p, "--keep-fp32 pattern", "") for p in options.keep_fp32]
+    header = [f"amp-rewrite --max-error {r.budget:g}: rewriting with this overlay (--rules) and "
+              "no --max-error reproduces the plan",
+              f"error {_finite(r.error)} on {outcome.inputs}; {_finite(outcome.held_out_error)} "
+              f"held out; {r.evaluations} evaluations"]
+    write_bytes_atomically(path, core_budget.rule_overlay(entries, header).encode("utf-8"))
