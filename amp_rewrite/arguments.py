@@ -4,6 +4,8 @@ place decides the accepted spellings, and a wrong value fails at the call with a
 """
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -75,4 +77,45 @@ def device_type(value: object, *, name: str = "device") -> str | None:
 def choice(value: Any, options: tuple[str, ...], *, name: str) -> str:
     if value not in options:
         raise ArgumentError(f"{name}={value!r}: expected one of {', '.join(map(repr, options))}")
+    return value
+
+
+def max_error(value: object, *, name: str = "max_error") -> float:
+    """A finite number >= 0: the accuracy budget (relative output error)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value < 0:
+        raise ArgumentError(f"{name}={value!r}: expected a finite number >= 0 (a relative "
+                            "output error such as 1e-2)")
+    return float(value)
+
+
+def max_evaluations(value: object, *, name: str = "max_evaluations") -> int:
+    """An int >= 2: the default plan and the all-pinned plan are always measured."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+        raise ArgumentError(f"{name}={value!r}: expected an int >= 2 (the default plan and "
+                            "the all-fp32 plan are measured first)")
+    return value
+
+
+def batches(value: object, *, name: str = "calibration_data") -> list[tuple]:
+    """A non-empty list of batches, each a tensor or a tuple of the forward's arguments
+    (tensors); a lone tuple would be ambiguous (one batch, or batches of one tensor)."""
+    if not isinstance(value, list) or not value:
+        raise ArgumentError(f"{name}: expected a non-empty list of batches (each a tensor or "
+                            f"a tuple of tensors), got {type(value).__name__}")
+    out = []
+    for i, batch in enumerate(value):
+        args = (batch,) if isinstance(batch, torch.Tensor) else batch
+        if not isinstance(args, (tuple, list)) or not all(
+                isinstance(a, torch.Tensor) for a in args):
+            raise ArgumentError(f"{name}[{i}]: expected a tensor or a tuple of tensors, got "
+                                f"{type(batch).__name__}")
+        out.append(tuple(args))
+    return out
+
+
+def file_path(value: object, *, name: str) -> str | os.PathLike | None:
+    """A path (str or os.PathLike); None passes."""
+    if value is not None and not isinstance(value, (str, os.PathLike)):
+        raise ArgumentError(f"{name}={value!r}: expected a file path")
     return value

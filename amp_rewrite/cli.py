@@ -84,6 +84,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="inputs for a FP32 run; values beyond --threshold stay fp32")
     p.add_argument("--threshold", type=float, help="calibration magnitude limit (default: "
                    "per dtype, below)")
+    p.add_argument("--max-error", type=float, metavar="E",
+                   help="accuracy budget: the most low-precision compute whose relative output "
+                   "error (the --validate metric) on the --calibrate data, or seeded random "
+                   "inputs, stays within E; reports the error on held-out inputs too")
+    p.add_argument("--max-evaluations", type=int, default=25, metavar="N",
+                   help="with --max-error: plans measured at most (default: 25)")
+    p.add_argument("--emit-rules", metavar="FILE.toml",
+                   help="with --max-error: write a rule overlay (--rules) that reproduces the "
+                   "budgeted plan without the search or the data")
     p.add_argument("--savings-weight", type=float, default=0.0, metavar="BETA",
                    help="price of a byte of traffic saved vs a byte cast: 0 (default) gives "
                    "the fewest cast bytes; 1 also runs ops low whose savings pay their casts")
@@ -243,9 +252,10 @@ def _check_paths(args) -> _RunPaths:
     model = check_input_path(args.model)
     out = save.check_output_path(args.model,
                                  args.output or save.default_output_path(args.model))
-    report = _check_side_paths(args)
+    report, emit = _check_side_paths(args)
     paths = _RunPaths(model, out, report, _read_paths(args),
-                      {"-o": out, **({"--report": report} if report else {})})
+                      {"-o": out, **({"--report": report} if report else {}),
+                       **({"--emit-rules": emit} if emit else {})})
     save.check_path_conflicts(paths.reads, paths.writes)
     return paths
 
@@ -269,7 +279,11 @@ def _load_and_rewrite(args, paths: _RunPaths, stages):
                                   savings_weight=args.savings_weight,
                                   clamp_constants=args.clamp_constants, opset=args.opset,
                                   pad=args.pad, fuse=args.fuse, target=args.target,
-                                  low_io=args.low_io, keep_opset=args.keep_opset)
+                                  low_io=args.low_io, keep_opset=args.keep_opset,
+                                  max_error=args.max_error,
+                                  max_evaluations=args.max_evaluations,
+                                  emit_rules=args.emit_rules,
+                                  progress=stages.budget_progress(args.max_evaluations))
 
 
 @contextlib.contextmanager
@@ -325,10 +339,23 @@ def _read_paths(args) -> dict[str, list[str]]:
             "an $AMP_REWRITE_RULES file": env_rules}
 
 
-def _check_side_paths(args) -> Path | None:
-    """Fail before any work, so a bad side argument never costs a rewrite."""
+def _check_side_paths(args) -> tuple[Path | None, Path | None]:
+    """Fail before any work, so a bad side argument never costs a rewrite. Returns the
+    --report and --emit-rules paths (None where not given)."""
+    import math
+
     from amp_rewrite.onnx import save
 
+    if args.max_error is not None and not (args.max_error >= 0 and math.isfinite(args.max_error)):
+        raise UsageError(f"--max-error must be a relative error >= 0, got {args.max_error:g}")
+    if args.max_evaluations < 2:
+        raise UsageError(f"--max-evaluations must be at least 2, got {args.max_evaluations}")
+    if args.emit_rules and args.max_error is None:
+        raise UsageError("--emit-rules writes the pins of an accuracy budget: add --max-error E")
+    emit = None
+    if args.emit_rules:
+        save.check_writable_file(args.emit_rules, "--emit-rules")
+        emit = Path(args.emit_rules)
     if args.threshold is not None and not args.threshold > 0:
         raise UsageError(f"--threshold must be a magnitude > 0, got {args.threshold:g}")
     if args.tolerance is not None and not args.tolerance >= 0:
@@ -336,9 +363,9 @@ def _check_side_paths(args) -> Path | None:
     if args.calibrate and not Path(args.calibrate).is_file():
         raise UsageError(f"--calibrate {args.calibrate}: no such file")
     if not args.report:
-        return None
+        return None, emit
     save.check_writable_file(args.report, "--report")
-    return Path(args.report)
+    return Path(args.report), emit
 
 
 def _validate(args, result):
@@ -418,6 +445,8 @@ def _print_summary(r: dict, args) -> None:
         threshold = args.threshold if args.threshold is not None else _default_threshold(args)
         rows.insert(3, ("pinned by calibration", f"{len(r['pinned_by_calibration'])} values "
                                                  f"above {threshold:g} (kept fp32)"))
+    if r.get("budget"):
+        rows[3:3] = _budget_rows(r["budget"], r.get("pinned_by_budget") or [])
     if r.get("constants_kept_fp32"):
         rows.insert(5, ("constants kept fp32 (range)", len(r["constants_kept_fp32"])))
     if r.get("low_io", {}).get("values"):
@@ -441,6 +470,24 @@ def _print_summary(r: dict, args) -> None:
         rows.insert(2, ("note", _nothing_to_change(counts)))
     width = max(len(k) for k, _ in rows)
     print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
+
+
+def _budget_rows(b: dict, pinned: list) -> list[tuple[str, str]]:
+    held = f"{b['held_out']} held out"
+    if b.get("held_out_onnxruntime") is not None:
+        held += f" ({b['held_out_onnxruntime']} in onnxruntime)"
+    rows = [("accuracy budget", f"max error {b['max_error']:g}: {b['achieved']} on the inputs "
+                                f"searched, {held}; {b['evaluations']} plans measured in "
+                                f"{b['seconds']:.1f} s"),
+            ("pinned by budget", f"{len(pinned)} nodes fp32; {b['low_flop_share']:.1%} of the "
+                                 f"low FLOPs stay low (default plan: error "
+                                 f"{b['default_plan_error']})"),
+            ("budget inputs", f"{b['inputs']}; held out: {b['held_out_inputs']}")]
+    if not b["reachable"]:
+        rows.insert(1, ("note", f"--max-error {b['max_error']:g} is unreachable: with every "
+                                f"node the rules run low pinned fp32 the error is "
+                                f"{b['all_pinned_error']} (that plan was written)"))
+    return rows
 
 
 def _default_threshold(args) -> float:
@@ -490,6 +537,13 @@ class _Stages:
             self.bar = tqdm(total=self.total, desc="amp-rewrite", unit="stage", leave=False,
                             file=sys.stderr)
         return self
+
+    def budget_progress(self, total: int):
+        """A callback showing the accuracy budget's measured plans on the bar."""
+        def show(done: int, error: float) -> None:
+            if self.bar is not None:
+                self.bar.set_postfix_str(f"budget: plan {done}/{total}, error {error:.3g}")
+        return show
 
     def step(self, name: str) -> None:
         if self.bar is not None:

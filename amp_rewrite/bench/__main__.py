@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "fuzz": "amp_rewrite.bench.fuzz_cli",
     "decoders": "amp_rewrite.bench.deployed",
     "fp8": "amp_rewrite.bench.fp8",
+    "budget": "amp_rewrite.bench.budget",
 }
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import re
 import time
 from collections.abc import Iterable, Mapping
@@ -23,6 +24,7 @@ from amp_rewrite.core import report as core_report
 from amp_rewrite.core.rules import default_rules_path
 from amp_rewrite.runtime import gc_paused
 from amp_rewrite.errors import UsageError
+from amp_rewrite.fx import budget as fx_budget
 from amp_rewrite.fx import guards, lowering
 from amp_rewrite.fx.capture import capture as capture_module
 from amp_rewrite.fx.capture import fill_missing_fake_values, refresh_fake_values
@@ -55,7 +57,10 @@ def rewrite(model: torch.nn.Module, example_inputs: Any = None, *,
             mode: str | None = None, pad: bool | PadPolicy | None = None,
             fuse: bool = True, emulate_gemms: bool | None = None, fp8: str | None = None,
             fp8_grad_dtype: torch.dtype | str | None = None, fp8_min_size: int | None = None,
-            keep_bf16: Iterable[str] = ()) -> torch.fx.GraphModule | TrainEvalModule:
+            keep_bf16: Iterable[str] = (), max_error: float | None = None,
+            calibration_data: list | None = None, max_evaluations: int = 25,
+            emit_rules: str | os.PathLike | None = None
+            ) -> torch.fx.GraphModule | TrainEvalModule:
     """Capture ``model`` and return a trainable mixed-precision ``GraphModule``.
 
     ``dtype``: torch.float16 / torch.bfloat16 (or 'fp16' / 'bf16'). ``capture``: 'export'
@@ -87,6 +92,16 @@ def rewrite(model: torch.nn.Module, example_inputs: Any = None, *,
     (default E5M2 tensor-wise, E4M3 row-wise); ``fp8_min_size``: FP8 for every GEMM with
     M·N·K at least this instead of the cost model (0: all); ``keep_bf16``: fnmatch patterns
     on node names kept bf16.
+    ``max_error``: plan against an accuracy budget (``amp_rewrite.fx.budget``): the most
+    low-precision FLOPs whose relative output error (max|out − fp32| / max|fp32| per output)
+    stays within it, measured with the rewritten graph's own kernels on this device, in at
+    most ``max_evaluations`` measured plans. ``calibration_data``: a list of batches (each a
+    tensor or a tuple of the forward's positional arguments; ``example_kwargs`` go with
+    each): the first half is searched, the rest held out and measured on the result; with
+    one batch, ``example_inputs`` are searched and the batch held out. The report's
+    ``budget`` and ``pinned_by_budget`` say what was achieved; ``explain`` names the budget
+    on a pinned node. ``emit_rules``: write a rule overlay that reproduces the plan
+    (``rules=[path]``, no ``max_error``).
     The user's module is never mutated; the result owns copies of its parameters.
     """
     options = FxOptions.checked(dtype=dtype, rules=rules, keep_fp32=keep_fp32,
@@ -97,6 +112,12 @@ def rewrite(model: torch.nn.Module, example_inputs: Any = None, *,
                                 keep_bf16=keep_bf16)
     if mode is not None:
         arguments.choice(mode, arguments.MODES, name="mode")
+    budget = fx_budget.request(max_error, calibration_data=calibration_data,
+                               max_evaluations=max_evaluations, emit_rules=emit_rules,
+                               example_inputs=example_inputs, example_kwargs=example_kwargs)
+    if budget is not None and mode == "both":
+        raise UsageError("max_error= with mode='both': rewrite each mode on its own (one "
+                         "search per captured graph)")
     if example_inputs is None and not isinstance(model, torch.fx.GraphModule):
         raise UsageError("example_inputs is required to capture an nn.Module")
     if mode is not None and isinstance(model, torch.fx.GraphModule):
@@ -107,19 +128,20 @@ def rewrite(model: torch.nn.Module, example_inputs: Any = None, *,
     if mode == "both":  # both captures, sharing one set of parameters (fx/modes.py)
         train, eval_ = (_capture_and_rewrite(*capture_args, m, options) for m in ("train", "eval"))
         return TrainEvalModule(train, eval_, training=model.training)
-    return _capture_and_rewrite(*capture_args, mode, options)
+    return _capture_and_rewrite(*capture_args, mode, options, budget)
 
 
 def _capture_and_rewrite(model: torch.nn.Module, example_inputs: Any,
                          example_kwargs: Mapping[str, Any] | None, capture: str,
-                         dynamic_shapes: Any, mode: str | None,
-                         options: FxOptions) -> torch.fx.GraphModule:
+                         dynamic_shapes: Any, mode: str | None, options: FxOptions,
+                         budget: fx_budget.BudgetRequest | None = None
+                         ) -> torch.fx.GraphModule:
     start = time.perf_counter()
     with in_mode(model, mode) if mode else contextlib.nullcontext():
         gm = capture_module(model, example_inputs, example_kwargs, mode=capture,
                             dynamic_shapes=dynamic_shapes)
     captured = time.perf_counter()
-    gm = _rewrite_graph(gm, options)
+    gm = _rewrite_graph(gm, options, budget)
     gm.amp_report["capture_seconds"] = round(captured - start, 4)
     return gm
 
@@ -130,7 +152,9 @@ def rewrite_graph(gm: torch.fx.GraphModule, *, dtype: torch.dtype | str = torch.
                   autocast_floor: bool = True, pad: bool | PadPolicy | None = None,
                   fuse: bool = True, emulate_gemms: bool | None = None,
                   fp8: str | None = None, fp8_grad_dtype: torch.dtype | str | None = None,
-                  fp8_min_size: int | None = None, keep_bf16: Iterable[str] = ()
+                  fp8_min_size: int | None = None, keep_bf16: Iterable[str] = (),
+                  max_error: float | None = None, calibration_data: list | None = None,
+                  max_evaluations: int = 25, emit_rules: str | os.PathLike | None = None
                   ) -> torch.fx.GraphModule:
     """Run the passes on a captured GraphModule (``meta['val']`` on its nodes), in place.
 
@@ -138,17 +162,75 @@ def rewrite_graph(gm: torch.fx.GraphModule, *, dtype: torch.dtype | str = torch.
     on 'cpu' the ``torch_cpu.toml`` overlay moves to gray the ops CPU kernels compute in fp32
     internally (norms, softmax, interpolation: CPU autocast runs them low too), norms read
     fp32 weights with low data, and ``softmax(dtype=float32)`` counts its input conversion.
-    ``emulate_gemms`` and the FP8 options: as in ``rewrite``.
+    ``emulate_gemms``, the FP8 options and the accuracy budget: as in ``rewrite``; with
+    ``max_error``, ``calibration_data`` is required (one batch: searched, nothing held out).
     """
-    return _rewrite_graph(gm, FxOptions.checked(
+    options = FxOptions.checked(
         dtype=dtype, rules=rules, keep_fp32=keep_fp32, keep_io_types=keep_io_types,
         device=device, autocast_floor=autocast_floor, pad=pad, fuse=fuse,
         emulate_gemms=emulate_gemms, fp8=fp8, fp8_grad_dtype=fp8_grad_dtype,
-        fp8_min_size=fp8_min_size, keep_bf16=keep_bf16))
+        fp8_min_size=fp8_min_size, keep_bf16=keep_bf16)
+    budget = fx_budget.request(max_error, calibration_data=calibration_data,
+                               max_evaluations=max_evaluations, emit_rules=emit_rules)
+    return _rewrite_graph(gm, options, budget)
 
 
-def _rewrite_graph(gm: torch.fx.GraphModule, options: FxOptions) -> torch.fx.GraphModule:
-    low, fuse = options.low, options.fuse
+@dataclasses.dataclass
+class _Prepared:
+    """A graph ready for the plan: options with the device, rules, what preparing found."""
+
+    options: FxOptions
+    rules: RuleSet
+    foreign_notes: list[str]
+    masks: DropTrivialAttentionMasks
+    start: float
+
+
+@dataclasses.dataclass
+class _Lowered:
+    """What the plan and the lowering after it did, for the report."""
+
+    amp: MixedPrecisionPass
+    fp8: Any
+    fp8_lines: dict[str, str]
+    padding: dict
+    emulated: dict
+
+
+def _rewrite_graph(gm: torch.fx.GraphModule, options: FxOptions,
+                   budget: fx_budget.BudgetRequest | None = None) -> torch.fx.GraphModule:
+    """The pipeline; ``budget``: search the accuracy budget's pins on copies of the
+    prepared graph first, and measure the result on the held-out batches."""
+    if budget is not None:
+        fx_budget.check_not_rewritten(gm)
+        reference = fx_budget.References.of(gm, budget)
+    prepared = _prepare(gm, options)
+    outcome = None
+    if budget is not None:
+        outcome = fx_budget.search_budget(gm, lambda copy, pins: _plan_and_lower(
+            copy, prepared, pins).amp, budget, reference)
+        prepared.options = dataclasses.replace(prepared.options, budget_pins=outcome.pins)
+    with gc_paused():
+        lowered = _plan_and_lower(gm, prepared)
+        pointwise = FusePointwise(CUDA_MIN_SAVED_BYTES if prepared.options.device == "cuda"
+                                  else 0)
+        if prepared.options.fuse:  # DESIGN §4: pointwise fusion last, casts and pads included
+            pointwise(gm)
+    report = _report(gm, prepared, lowered, pointwise)
+    if outcome is not None:
+        outcome.held_out(gm, reference)
+        report.extra.update(budget=outcome.report(), pinned_by_budget=outcome.pinned())
+        if budget.emit_rules is not None:
+            outcome.write_rules(budget.emit_rules)
+    gm.meta[REPORT_KEY] = report
+    gm.amp_report = report.to_json()
+    for note in report.extra["notes"]:
+        log.warning("%s", note)
+    return gm
+
+
+def _prepare(gm: torch.fx.GraphModule, options: FxOptions) -> _Prepared:
+    """Everything before the plan: dtypes, inlining, fusion, functional ops, masks."""
     device = options.device or graph_device(gm)
     options = dataclasses.replace(options, device=device)
     overlays = [default_rules_path("torch_cpu")] if device == "cpu" else []
@@ -156,42 +238,50 @@ def _rewrite_graph(gm: torch.fx.GraphModule, options: FxOptions) -> torch.fx.Gra
     # a second rewrite plans on the flat graph with its low kernels
     unfused = (UnfuseRegions()(gm).modified | RestoreLowKernels()(gm).modified
                | RestoreFp8Gemms()(gm).modified)
-    foreign_notes = _prepare_dtypes(gm, low, rule_set, options.keep_io_types, device)
+    foreign_notes = _prepare_dtypes(gm, options.low, rule_set, options.keep_io_types, device)
     start = time.perf_counter()
     with gc_paused():
         inlined = unfused | InlineModules()(gm).modified
-        fused = fuse and any([p(gm).modified for p in (FuseTanhGelu(), FuseAttention(),
-                                                        FuseNorms())])
+        fused = options.fuse and any([p(gm).modified for p in (
+            FuseTanhGelu(), FuseAttention(), FuseNorms())])
         if inlined or (fused and not fill_missing_fake_values(gm)):
             refresh_fake_values(gm)
         FunctionalizeInPlace()(gm)
         masks = DropTrivialAttentionMasks()
         masks(gm)
-        amp = MixedPrecisionPass(options, rule_set)
-        amp(gm)
-        fp8, fp8_lines = fp8_section(gm, options.fp8)
-        pad = device == "cuda" if options.pad is None else options.pad  # a policy is truthy
-        padding = _pad(gm, pad)
-        emulated = _emulate_gemms(gm, low, device, fuse, options.emulate_gemms)
-        pointwise = FusePointwise(CUDA_MIN_SAVED_BYTES if device == "cuda" else 0)
-        if fuse:  # DESIGN §4: pointwise fusion last, casts and pads included
-            pointwise(gm)
-    report = amp.report()
-    for name, line in fp8_lines.items():
+    return _Prepared(options, rule_set, foreign_notes, masks, start)
+
+
+def _plan_and_lower(gm: torch.fx.GraphModule, prepared: _Prepared,
+                    budget_pins: Mapping[str, str] | None = None) -> _Lowered:
+    """The plan, FP8, padding and emulated kernels on a prepared graph (``budget_pins``:
+    node name -> reason, pinned fp32 besides the options' pins)."""
+    options = prepared.options
+    if budget_pins is not None:
+        options = dataclasses.replace(options, budget_pins=budget_pins)
+    amp = MixedPrecisionPass(options, prepared.rules)
+    amp(gm)
+    fp8, fp8_lines = fp8_section(gm, options.fp8)
+    pad = options.device == "cuda" if options.pad is None else options.pad  # a policy is truthy
+    padding = _pad(gm, pad)
+    emulated = _emulate_gemms(gm, options.low, options.device, options.fuse,
+                              options.emulate_gemms)
+    return _Lowered(amp, fp8, fp8_lines, padding, emulated)
+
+
+def _report(gm: torch.fx.GraphModule, prepared: _Prepared, lowered: _Lowered,
+            pointwise: FusePointwise) -> core_report.Report:
+    device = prepared.options.device
+    report = lowered.amp.report()
+    for name, line in lowered.fp8_lines.items():
         report.why.setdefault(name, []).append(line)
     report.why = _for_device(_with_fusions(gm, report.why), device)
-    report.padding, report.fused = padding, _fused_summary(gm, pointwise)
-    notes = _true_notes(report.extra.pop("notes"), foreign_notes)
-    report.extra.update(notes=notes, device=device, emulated_gemms=emulated, fp8=fp8,
-                        attention_masks_dropped=masks.dropped,
-                        seconds=round(time.perf_counter() - start, 4))
-    gm.meta[REPORT_KEY] = report
-    gm.amp_report = report.to_json()
-    for note in notes:
-        log.warning("%s", note)
-    return gm
-
-
+    report.padding, report.fused = lowered.padding, _fused_summary(gm, pointwise)
+    notes = _true_notes(report.extra.pop("notes"), prepared.foreign_notes)
+    report.extra.update(notes=notes, device=device, emulated_gemms=lowered.emulated,
+                        fp8=lowered.fp8, attention_masks_dropped=prepared.masks.dropped,
+                        seconds=round(time.perf_counter() - prepared.start, 4))
+    return report
 
 
 def _prepare_dtypes(gm: torch.fx.GraphModule, low: torch.dtype, rules: RuleSet,

@@ -12,8 +12,8 @@ Each returns ``PassResult(gm, modified)`` from what it changed; a second run cha
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -201,6 +201,8 @@ class FxOptions:
     fuse: bool = True
     emulate_gemms: bool | None = None
     fp8: Fp8Options | None = None  # None: no FP8 GEMMs (fx/fp8.py)
+    # node name -> reason: pinned fp32 by the accuracy budget (amp_rewrite.fx.budget)
+    budget_pins: Mapping[str, str] = field(default_factory=dict, hash=False)
 
     @classmethod
     def checked(cls, *, dtype: object, rules: Iterable[str], keep_fp32: object,
@@ -257,7 +259,8 @@ class MixedPrecisionPass(PassBase):
                           keep_io_types=opts.keep_io_types,
                           keep_fp32_modules=list(opts.keep_fp32), kept_conversions=kept,
                           device=opts.device)
-        pins = autocast_pins(view.graph, self.rules) if opts.autocast_floor else None
+        pins = autocast_pins(view.graph, self.rules) if opts.autocast_floor else {}
+        pins.update(_budget_pins(view, opts.budget_pins))
         return view, plan_precision(view.graph, self.rules, keep_fp32=opts.keep_fp32,
                                     pins=pins)
 
@@ -281,6 +284,15 @@ class MixedPrecisionPass(PassBase):
         report.extra.update(casts_planned=len(self.plan.casts),
                             upcasts_by_promotion=applied.upcasts_by_promotion, notes=notes)
         return report
+
+
+def _budget_pins(view: FxView, pinned: Mapping[str, str]) -> dict:
+    """Group key -> reason for the groups of the nodes the accuracy budget pinned; groups
+    the view fixed keep their precision (a conversion's output keeps the dtype asked for)."""
+    if not pinned:
+        return {}
+    return {g.key: pinned[g.name] for g in view.graph.groups()
+            if g.fixed is None and g.name in pinned}
 
 
 def _conversions_with_high_readers(view: FxView, plan: PrecisionPlan) -> dict[Node, str]:

@@ -102,14 +102,12 @@ class Emulator:
         graph = model.graph
         rounded: dict[ir.Value, ir.Value] = {}
         flags: dict = {}
+        self._instrument_inputs(graph, rounded)
         # outputs first: readers of a rounded output then see the Where, not the raw value
-        for i, (key, (node, pg)) in enumerate(self.view.groups.items()):
+        for key, (node, pg) in self.view.groups.items():
             if node.graph is not graph:
                 continue
-            flag = ir.Value(name=f"{_FLAG_PREFIX}{i}", type=ir.TensorType(ir.DataType.BOOL),
-                            shape=ir.Shape([]))
-            graph.inputs.append(flag)
-            self.flags[key], flags[key] = flag.name, flag
+            flags[key] = flag = self._flag(graph, key)
             for j in pg.outputs:
                 out = node.outputs[j]
                 if out.dtype == ir.DataType.FLOAT and out.name not in self.visible:
@@ -125,6 +123,7 @@ class Emulator:
                 chosen = self._where(graph, flag, self._rounded(graph, v, rounded), v,
                                      f"{v.name}.read{i}.{node.name}")
                 node.replace_input_with(i, chosen)
+        self._instrument_outputs(graph, rounded)
         graph.sort()
         existing = set(self.outputs)
         for node in list(graph):
@@ -132,6 +131,42 @@ class Emulator:
                 if v.dtype == ir.DataType.FLOAT and v.name and v.name not in existing:
                     graph.outputs.append(v)
                     existing.add(v.name)
+
+    def _instrument_inputs(self, graph, rounded) -> None:
+        """Graph inputs the plan may make low (``keep_io_types=False``, ``low_io``): a flag
+        each, the input rounded for every reader (before any reader is instrumented)."""
+        inputs = set(graph.inputs)
+        for key, (g, v, node) in self.view.sources.items():
+            if g is not graph or node is not None or v.dtype != ir.DataType.FLOAT \
+                    or v not in inputs:
+                continue
+            flag = self._flag(graph, key)
+            uses = list(v.uses())
+            chosen = self._where(graph, flag, self._rounded(graph, v, rounded), v,
+                                 f"{v.name}.input_rounded")
+            for use in uses:
+                use.node.replace_input_with(use.idx, chosen)
+
+    def _instrument_outputs(self, graph, rounded) -> None:
+        """Graph outputs the plan may make low: a flag each, the output rounded."""
+        for key, (g, index) in self.view.sinks.items():
+            out = g.outputs[index]
+            if g is not graph or out.dtype != ir.DataType.FLOAT:
+                continue
+            flag = self._flag(graph, key)
+            chosen = self._where(graph, flag, self._rounded(graph, out, rounded), out,
+                                 f"{out.name}.output_rounded")
+            name = out.name
+            out.name, chosen.name = f"{name}.unrounded_output", name
+            graph.outputs[index] = chosen
+            self.visible[name] = name
+
+    def _flag(self, graph, key) -> ir.Value:
+        flag = ir.Value(name=f"{_FLAG_PREFIX}{len(self.flags)}",
+                        type=ir.TensorType(ir.DataType.BOOL), shape=ir.Shape([]))
+        graph.inputs.append(flag)
+        self.flags[key] = flag.name
+        return flag
 
     def _round_output(self, graph, node, out: ir.Value, flag, rounded) -> None:
         uses = list(out.uses())
@@ -153,7 +188,9 @@ class Emulator:
         if v not in rounded:
             down = ir.node("Cast", [v], {"to": self.low})
             up = ir.node("Cast", [down.outputs[0]], {"to": ir.DataType.FLOAT})
-            down.outputs[0].name, up.outputs[0].name = f"{v.name}.low", f"{v.name}.round"
+            n = len(rounded)  # unique: a renamed graph output may reuse a value's name
+            down.outputs[0].name = f"{v.name}.low{n}"
+            up.outputs[0].name = f"{v.name}.round{n}"
             up.outputs[0].dtype = ir.DataType.FLOAT
             graph.extend([down, up])
             rounded[v] = up.outputs[0]
@@ -255,7 +292,9 @@ def search_budget(pass_, model: ir.Model, max_error: float, search_feeds: dict,
     """Search the pins of ``pass_`` (an OnnxOptions pass not yet run) on ``model`` (an FP32
     copy it may fuse and instrument) for ``max_error`` (module docstring)."""
     if not (max_error >= 0 and math.isfinite(max_error)):
-        raise UsageError(f"--max-error must be a finite number >= 0, got {max_error}")
+        raise UsageError(f"max_error must be a relative error >= 0, got {max_error}")
+    if max_evaluations < 2:
+        raise UsageError(f"max_evaluations must be at least 2, got {max_evaluations}")
     start = time.perf_counter()
     pass_.prepare(model)
     default = pass_.plan_view()
@@ -263,8 +302,7 @@ def search_budget(pass_, model: ir.Model, max_error: float, search_feeds: dict,
     reference = emulator.run(search_feeds, None)
     units, unit_groups, names = _units(pass_, default, emulator, search_feeds)
     unit_list = list(units.values())
-    if len(unit_list) > max_evaluations - 4:  # too many to measure alone: estimate them
-        _score(unit_list, emulator, search_feeds, default, names)
+    _score(unit_list, emulator, search_feeds, default, names)  # used where too many to measure
 
     def plan_of(pins: frozenset):
         extra = {g: "pinned fp32 by the accuracy budget" for k in pins for g in unit_groups[k]}
@@ -290,8 +328,10 @@ def search_budget(pass_, model: ir.Model, max_error: float, search_feeds: dict,
 def _pin_reason(result: core_budget.BudgetResult, key) -> str:
     c = result.contributions.get(key)
     how = "measured alone low" if result.measured else "estimated in the default plan"
-    amount = "" if c is None else (f": {how}, it adds {_finite(c)} to the output error")
-    return f"pinned fp32 by the accuracy budget --max-error {result.budget:g}{amount}"
+    amount = "" if c is None else f"; {how}, it adds {_finite(c)} to the output error"
+    return (f"pinned fp32 by the accuracy budget --max-error {result.budget:g} (the plan "
+            f"measures {_finite(result.error)}, {_finite(result.start_error)} with this node "
+            f"and the budget's other pins low{amount})")
 
 
 def _units(pass_, default, emulator: Emulator, feeds) -> tuple[dict, dict, dict]:

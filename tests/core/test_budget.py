@@ -50,12 +50,18 @@ def test_search_is_near_the_brute_force_optimum(seed):
     units, error = _instance(seed, n)
     budget = [2e-3, 5e-3, 1e-2][seed % 3]
     calls = []
-    result = search(units, lambda p: calls.append(p) or error(p), budget)
+    result = search(units, lambda p: calls.append(p) or error(p), budget, margin=1.0)
     best = _best_share(units, error, budget)
     assert len(set(calls)) == result.evaluations <= 25
     assert best is not None and result.reachable
     assert result.error <= budget and error(frozenset(result.pins)) == result.error
     assert result.low_share(units) >= best - 0.10, (result.low_share(units), best)
+
+
+def test_plans_are_held_to_the_margin_below_the_budget():
+    units, error = _instance(4, 10)
+    result = search(units, error, 5e-3, margin=0.5)
+    assert result.budget == 5e-3 and result.error <= 2.5e-3
 
 
 def test_loose_budget_keeps_the_default_plan_in_one_evaluation():
