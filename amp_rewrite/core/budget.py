@@ -151,11 +151,13 @@ _PRUNE_RESERVE = 3  # evaluations the knapsack search leaves to pruning
 def _cheapest_prefix(units: list[Unit], contributions: Mapping[Hashable, float],
                      ev: _Evaluator, budget: float) -> list[Hashable]:
     """The shortest prefix within the budget of the units pinned cheapest first (larger
-    contribution first among equals), by bisection. Rounding errors compound through a
+    contribution first among equals; units that overflow before all), by bisection. Rounding errors compound through a
     chain (a residual stream rounded at every layer), so units harmless alone can matter
     together; the light ones (norms, adds, softmax) cost little share, the GEMMs much."""
-    order = [u.key for u in sorted(units, key=lambda u: (u.weight, -contributions[u.key],
-                                                         str(u.key)))]
+    def key(u: Unit):  # units that overflow first, then the lightest
+        return (contributions[u.key] < math.inf, u.weight, -contributions[u.key], str(u.key))
+
+    order = [u.key for u in sorted(units, key=key)]
     low, high = 0, len(order)  # prefix `low` is above the budget, prefix `high` within it
     while high - low > 1 and ev.left > _PRUNE_RESERVE + 2:
         mid = (low + high) // 2

@@ -378,7 +378,8 @@ def _shapes(emulator: Emulator, feeds) -> dict[str, tuple]:
 
 def _score(units: list, emulator: Emulator, feeds, default, names) -> None:
     """Each unit's injected error in the default plan: max relative error of its outputs
-    less that of its inputs, both against the FP32 run (in place on ``units``)."""
+    less that of its inputs, both against the FP32 run (in place on ``units``); for a node
+    writing a graph output, its output's error."""
     fetch = emulator.fetchable
     fp32 = dict(zip(fetch, emulator.run(feeds, None, fetch)))
     low = dict(zip(fetch, emulator.run(feeds, default, fetch)))
@@ -395,33 +396,15 @@ def _score(units: list, emulator: Emulator, feeds, default, names) -> None:
                 rel_cache[seen] = math.inf if e.new_nonfinite else e.max_rel
         return rel_cache[seen]
 
+    graph_outputs = set(emulator.outputs)
     for i, unit in enumerate(units):
         ins, outs, _ = emulator.node_io[names[unit.key]]
         out_err = max((rel(v) for v in outs), default=0.0)
-        in_err = max((rel(v) for v in ins if v), default=0.0)
-        injected = math.inf if math.isinf(out_err) and not math.isinf(in_err) else max(
-            out_err - in_err, 0.0) if math.isfinite(out_err) else 0.0
+        # an output's own rounding reaches the graph output whole: no input error to deduct
+        in_err = 0.0 if graph_outputs & set(outs) else max((rel(v) for v in ins if v),
+                                                            default=0.0)
+        if math.isinf(out_err):
+            injected = 0.0 if math.isinf(in_err) else math.inf
+        else:
+            injected = max(out_err - in_err, 0.0)
         units[i] = core_budget.Unit(unit.key, unit.weight, injected)
-
-
-def write_rule_overlay(path, pass_, outcome: BudgetOutcome, options) -> None:
-    """A rule overlay reproducing the budgeted plan without the search or the data: the
-    budget's pins, the nodes calibration pinned and the ``--keep-fp32`` patterns given."""
-    from amp_rewrite.onnx.save import write_bytes_atomically
-
-    weight = {u.key: u.weight for u in outcome.units}
-    r = outcome.result
-    entries = [(core_budget.fnmatch_literal(outcome.names[k]), outcome.pins[outcome.names[k]],
-                f"contribution {_finite(r.contributions.get(k))}, {weight[k]:.4g} FLOPs")
-               for k in r.pins]
-    calibrated = sorted({pass_.view.graph.group(k).name
-                         for k, d in pass_.plan.decisions.items()
-                         if d.fixed and d.reason.startswith("calibration saw")} - {""})
-    entries += [(core_budget.fnmatch_literal(n), "pinned fp32 by calibration (--calibrate)", "")
-                for n in calibrated]
-    entries += [(p, "--keep-fp32 pattern", "") for p in options.keep_fp32]
-    header = [f"amp-rewrite --max-error {r.budget:g}: rewriting with this overlay (--rules) and "
-              "no --max-error reproduces the plan",
-              f"error {_finite(r.error)} on {outcome.inputs}; {_finite(outcome.held_out_error)} "
-              f"held out; {r.evaluations} evaluations"]
-    write_bytes_atomically(path, core_budget.rule_overlay(entries, header).encode("utf-8"))
