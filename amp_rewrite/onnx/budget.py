@@ -408,3 +408,26 @@ def _score(units: list, emulator: Emulator, feeds, default, names) -> None:
         else:
             injected = max(out_err - in_err, 0.0)
         units[i] = core_budget.Unit(unit.key, unit.weight, injected)
+
+
+def write_rule_overlay(path, pass_, outcome: BudgetOutcome, options) -> None:
+    """A rule overlay reproducing the budgeted plan without the search or the data: the
+    budget's pins, the nodes calibration pinned and the ``--keep-fp32`` patterns given."""
+    from amp_rewrite.onnx.save import write_bytes_atomically
+
+    weight = {u.key: u.weight for u in outcome.units}
+    r = outcome.result
+    entries = [(core_budget.fnmatch_literal(outcome.names[k]), outcome.pins[outcome.names[k]],
+                f"contribution {_finite(r.contributions.get(k))}, {weight[k]:.4g} FLOPs")
+               for k in r.pins]
+    calibrated = sorted({pass_.view.graph.group(k).name
+                         for k, d in pass_.plan.decisions.items()
+                         if d.fixed and d.reason.startswith("calibration saw")} - {""})
+    entries += [(core_budget.fnmatch_literal(n), "pinned fp32 by calibration (--calibrate)", "")
+                for n in calibrated]
+    entries += [(p, "--keep-fp32 pattern", "") for p in options.keep_fp32]
+    header = [f"amp-rewrite --max-error {r.budget:g}: rewriting with this overlay (--rules) and "
+              "no --max-error reproduces the plan",
+              f"error {_finite(r.error)} on {outcome.inputs}; {_finite(outcome.held_out_error)} "
+              f"held out; {r.evaluations} evaluations"]
+    write_bytes_atomically(path, core_budget.rule_overlay(entries, header).encode("utf-8"))
