@@ -74,10 +74,15 @@ class _Evaluator:
                  progress: Callable[[int, float], None] | None) -> None:
         self._evaluate, self.limit, self._progress = evaluate, limit, progress
         self.cache: dict[frozenset, float] = {}
+        self.extra = 0  # evaluations spent outside ``evaluate`` (the adapter's estimate)
+
+    @property
+    def count(self) -> int:
+        return len(self.cache) + self.extra
 
     @property
     def left(self) -> int:
-        return self.limit - len(self.cache)
+        return self.limit - self.count
 
     def __call__(self, pins: Iterable[Hashable]) -> float:
         pins = frozenset(pins)
@@ -85,41 +90,44 @@ class _Evaluator:
             error = float(self._evaluate(pins))
             self.cache[pins] = math.inf if math.isnan(error) else error
             if self._progress:
-                self._progress(len(self.cache), self.cache[pins])
+                self._progress(self.count, self.cache[pins])
         return self.cache[pins]
 
 
 def search(units: Iterable[Unit], evaluate: Callable[[frozenset], float], budget: float, *,
            max_evaluations: int = DEFAULT_MAX_EVALUATIONS, margin: float = SEARCH_MARGIN,
+           estimate: Callable[[], Mapping[Hashable, float]] | None = None,
            progress: Callable[[int, float], None] | None = None) -> BudgetResult:
     """The plan with the most low weight whose measured error is within ``margin · budget``
-    (module docstring). ``progress(evaluations_done, error)`` is called after each one."""
+    (module docstring). ``estimate()``: the adapter's contribution estimates by unit key,
+    asked for (and counted as one evaluation) only when the units are too many to measure;
+    without it, ``Unit.score``. ``progress(evaluations_done, error)`` follows each one."""
     if max_evaluations < 2:
         raise ValueError("max_evaluations must be at least 2")
-    result = _search(units, evaluate, budget * margin, max_evaluations, progress)
+    result = _search(units, evaluate, budget * margin, max_evaluations, estimate, progress)
     return dataclasses.replace(result, budget=budget)
 
 
 def _search(units: Iterable[Unit], evaluate: Callable[[frozenset], float], budget: float,
-            max_evaluations: int, progress: Callable[[int, float], None] | None
+            max_evaluations: int, estimate, progress: Callable[[int, float], None] | None
             ) -> BudgetResult:
     units = sorted(units, key=lambda u: str(u.key))  # deterministic whatever the caller's order
     ev = _Evaluator(evaluate, max_evaluations, progress)
     start = ev(())
     if start <= budget or not units:
-        return BudgetResult(budget, (), start, start, None, len(ev.cache), start <= budget)
+        return BudgetResult(budget, (), start, start, None, ev.count, start <= budget)
     everything = tuple(u.key for u in units)
     floor = ev(everything)
     if floor > budget:
-        return BudgetResult(budget, everything, floor, start, floor, len(ev.cache), False)
-    contributions, measured = _contributions(units, ev, floor)
+        return BudgetResult(budget, everything, floor, start, floor, ev.count, False)
+    contributions, measured = _contributions(units, ev, floor, estimate)
     weight = {u.key: u.weight for u in units}
     cheapest = _cheapest_prefix(units, contributions, ev, budget)
     knapsack = _capacity_search(units, contributions, ev, budget, budget - floor,
                                 reserve=_PRUNE_RESERVE)
     best = min((cheapest, knapsack), key=lambda pins: sum(weight[k] for k in pins))
     pins = _pruned(sorted(best, key=lambda k: (-weight[k], str(k))), ev, budget)
-    return BudgetResult(budget, tuple(pins), ev(pins), start, floor, len(ev.cache), True,
+    return BudgetResult(budget, tuple(pins), ev(pins), start, floor, ev.count, True,
                         contributions, measured)
 
 
@@ -228,15 +236,19 @@ def _knapsack(units: list[Unit], contributions: Mapping[Hashable, float],
     return frozenset(kept)
 
 
-def _contributions(units: list[Unit], ev: _Evaluator, floor: float
+def _contributions(units: list[Unit], ev: _Evaluator, floor: float, estimate
                    ) -> tuple[dict[Hashable, float], bool]:
     """Each unit's contribution: measured alone low when the evaluations allow it and still
-    leave a bisection and some pruning, else the adapter's score (0 where it has none)."""
+    leave a bisection and some pruning, else the adapter's estimate (0 where it has none)."""
     n = len(units)
     reserve = math.ceil(math.log2(n + 1)) + 2
     if n + reserve <= ev.left:
         keys = [u.key for u in units]
         return {k: ev([o for o in keys if o != k]) - floor for k in keys}, True
+    if estimate is not None:
+        ev.extra += 1
+        scores = estimate()
+        return {u.key: scores.get(u.key, 0.0) for u in units}, False
     return {u.key: u.score or 0.0 for u in units}, False
 
 
@@ -245,15 +257,22 @@ def fnmatch_literal(name: str) -> str:
     return "".join(f"[{c}]" if c in "[]*?" else c for c in name)
 
 
-def rule_overlay(pins: Iterable[tuple[str, str, str]], header: Iterable[str] = ()) -> str:
-    """A rule file (``core.rules`` format) whose ``[keep_fp32]`` table holds ``pins``:
-    (node-name pattern, reason, comment line or ""), each pattern a TOML basic string."""
+def rule_overlay(pins: Iterable[tuple[str, str, str]], header: Iterable[str] = (),
+                 low: Iterable[tuple[str, str, str]] = ()) -> str:
+    """A rule file (``core.rules`` format) whose ``[keep_fp32]`` table holds ``pins`` and
+    ``[keep_low]`` table ``low``: (node-name pattern, reason, comment line or ""), each
+    pattern a TOML basic string."""
     import json
 
-    lines = [f"# {h}" for h in header] + ["schema = 1", "", "[keep_fp32]"]
-    for pattern, reason, comment in pins:
-        if comment:
-            lines.append(f"# {comment}")
-        lines.append(f"{json.dumps(pattern, ensure_ascii=False)} = "
-                     f"{json.dumps(reason, ensure_ascii=False)}")
+    lines = [f"# {h}" for h in header] + ["schema = 1"]
+    for table, entries in (("keep_fp32", pins), ("keep_low", low)):
+        entries = list(entries)
+        if table == "keep_low" and not entries:
+            continue
+        lines += ["", f"[{table}]"]
+        for pattern, reason, comment in entries:
+            if comment:
+                lines.append(f"# {comment}")
+            lines.append(f"{json.dumps(pattern, ensure_ascii=False)} = "
+                         f"{json.dumps(reason, ensure_ascii=False)}")
     return "\n".join(lines) + "\n"

@@ -39,7 +39,7 @@ def rule_fixes(graph: PrecisionGraph, rules: RuleSet, classes: dict[Hashable, Op
     """Fixes from the adapter, user pins (``keep_fp32`` and the rules' ``[keep_fp32]``)
     and allow/deny classes."""
     patterns = [(p, f"pinned to fp32 by keep_fp32 pattern {p!r}") for p in keep_fp32]
-    patterns += [(e.pattern, f"{e.reason} [{e.source}]") for e in rules.pins]
+    patterns += [(e.pattern, f"{e.reason} [{e.source}]") for e in rules.pins if not e.low]
     fixes: dict[Hashable, Fix] = {}
     by_op: dict[tuple, Fix | None] = {}  # class fixes depend on the op only: share them
     for group in graph.groups():
@@ -52,6 +52,15 @@ def rule_fixes(graph: PrecisionGraph, rules: RuleSet, classes: dict[Hashable, Op
         if fix is not None:
             fixes[group.key] = fix
     return fixes
+
+
+def low_pattern_pins(graph: PrecisionGraph, rules: RuleSet) -> dict[Hashable, str]:
+    """Groups the rules' ``[keep_low]`` patterns name, with the entry's reason."""
+    entries = [e for e in rules.pins if e.low]
+    if not entries:
+        return {}
+    return {g.key: f"{e.reason} [{e.source}]" for g in graph.groups() for e in entries
+            if fnmatch.fnmatchcase(g.name, e.pattern)}
 
 
 def _adapter_or_pin_fix(group, patterns: list[tuple[str, str]]) -> Fix | None:

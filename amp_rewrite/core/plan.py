@@ -51,17 +51,23 @@ class PrecisionPlan:
 
 def plan_precision(graph: PrecisionGraph, rules: RuleSet, *, keep_fp32: Iterable[str] = (),
                    pins: Mapping[Hashable, str] | None = None,
+                   low_pins: Mapping[Hashable, str] | None = None,
                    savings_weight: float = 0.0,
                    wide_values: Mapping[Hashable, str] | None = None) -> PrecisionPlan:
     """Decide every group's precision and the minimal casts (see module docstring).
 
     ``keep_fp32``: fnmatch patterns on group names; ``pins``: group key → reason, both fixed
-    high (e.g. from calibration data); ``savings_weight``: see ``placement.place``;
+    high (e.g. from calibration data); ``low_pins``: group key → reason, fixed low over pins
+    and rule classes, not over the adapter's or range fixes (the accuracy budget lowering
+    what it measured safe); ``savings_weight``: see ``placement.place``;
     ``wide_values``: value → why the low dtype cannot hold it (``constraints.range_fixes``).
     """
     classes = constraints.classify_groups(graph, rules)
     fixes = constraints.rule_fixes(graph, rules, classes, keep_fp32)
     fixes.update({k: constraints.Fix(Precision.HIGH, why) for k, why in (pins or {}).items()})
+    low = {**constraints.low_pattern_pins(graph, rules), **(low_pins or {})}
+    fixes.update({k: constraints.Fix(Precision.LOW, why) for k, why in low.items()
+                  if graph.group(k).fixed is None})
     if wide_values:
         fixes.update(constraints.range_fixes(graph, classes, wide_values))
     bounded = constraints.bounded_groups(graph, rules)

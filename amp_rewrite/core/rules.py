@@ -12,8 +12,9 @@ its output is cast. Overlays add entries; ``AMP_REWRITE_BOUNDED_OUTPUT_ADD`` and
 apply last, like the class variables.
 
 A ``[keep_fp32]`` table (node-name fnmatch pattern = "reason") pins nodes fp32 as
-``--keep-fp32`` does, with the reason ``--explain`` prints: the accuracy budget's
-``--emit-rules`` writes one, so the budgeted plan is reproduced without the search.
+``--keep-fp32`` does, with the reason ``--explain`` prints; ``[keep_low]`` runs nodes low over
+the rule classes and calibration (not over what the adapter or the range screen fixes). The
+accuracy budget's ``--emit-rules`` writes both, reproducing the budgeted plan without search.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ ENV_PREFIX = "AMP_REWRITE_"
 # Variables of the package that are not rule lists (runtime, bench and tools read them).
 BOUNDED_OUTPUT = "bounded_output"  # the table of ops whose output is bounded (module docstring)
 KEEP_FP32 = "keep_fp32"  # the table of node-name patterns pinned fp32 (module docstring)
+KEEP_LOW = "keep_low"  # the table of node-name patterns run low (module docstring)
 OTHER_ENV_VARS = frozenset({"AMP_REWRITE_CACHE", "AMP_REWRITE_MODELOPT_PYTHON",
                             "AMP_REWRITE_FUSED_BACKEND", "AMP_REWRITE_FORK"})
 
@@ -76,6 +78,7 @@ class PinEntry:
     pattern: str
     reason: str
     source: str
+    low: bool = False  # from [keep_low]: run low instead of fp32
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,7 @@ class RuleSet:
                  bounded: Iterable[BoundedEntry] = (), pins: Iterable[PinEntry] = ()) -> None:
         self._entries: dict[str, RuleEntry] = {e.op: e for e in entries}
         self._bounded: dict[str, BoundedEntry] = {e.op: e for e in bounded}
-        self.pins: tuple[PinEntry, ...] = tuple({e.pattern: e for e in pins}.values())
+        self.pins: tuple[PinEntry, ...] = tuple({(e.pattern, e.low): e for e in pins}.values())
 
     def classify(self, op_key: str) -> RuleEntry | None:
         return self._entries.get(op_key)
@@ -155,7 +158,7 @@ def parse_rule_file(path: str | Path) -> list[RuleEntry]:
     data = _read_rule_file(path)
     entries: dict[str, RuleEntry] = {}
     for class_name, table in data.items():
-        if class_name in ("schema", BOUNDED_OUTPUT, KEEP_FP32):
+        if class_name in ("schema", BOUNDED_OUTPUT, KEEP_FP32, KEEP_LOW):
             continue
         op_class = _parse_class(path, class_name, table)
         for op, reason in table.items():
@@ -177,17 +180,21 @@ def parse_bounded_output(path: str | Path) -> list[BoundedEntry]:
 
 
 def parse_pins(path: str | Path) -> list[PinEntry]:
-    """The ``[keep_fp32]`` table of one rule file (empty when it has none)."""
+    """The ``[keep_fp32]`` and ``[keep_low]`` tables of one rule file (empty when none)."""
     path = Path(path)
-    table = _read_rule_file(path).get(KEEP_FP32, {})
-    if not isinstance(table, dict):
-        raise RuleFileError(f"{path}: [{KEEP_FP32}] must be a table of "
-                            "\"node-name pattern\" = \"reason\"")
-    for pattern, reason in table.items():
-        if not isinstance(reason, str) or not reason.strip():
-            raise RuleFileError(f"{path}: [{KEEP_FP32}] {pattern}: the value must be a "
-                                "non-empty reason string")
-    return [PinEntry(p, r.strip(), str(path)) for p, r in table.items()]
+    data = _read_rule_file(path)
+    entries = []
+    for name in (KEEP_FP32, KEEP_LOW):
+        table = data.get(name, {})
+        if not isinstance(table, dict):
+            raise RuleFileError(f"{path}: [{name}] must be a table of "
+                                "\"node-name pattern\" = \"reason\"")
+        for pattern, reason in table.items():
+            if not isinstance(reason, str) or not reason.strip():
+                raise RuleFileError(f"{path}: [{name}] {pattern}: the value must be a "
+                                    "non-empty reason string")
+            entries.append(PinEntry(pattern, reason.strip(), str(path), name == KEEP_LOW))
+    return entries
 
 
 def _read_rule_file(path: Path) -> dict:
@@ -213,7 +220,7 @@ def _parse_class(path: Path, class_name: str, table: object) -> OpClass:
     names = [c.value for c in RULE_CLASSES]
     if class_name not in names:
         raise RuleFileError(f"{path}: unknown class [{class_name}]; expected one of {names} "
-                            f"(or [{BOUNDED_OUTPUT}], [{KEEP_FP32}])")
+                            f"(or [{BOUNDED_OUTPUT}], [{KEEP_FP32}], [{KEEP_LOW}])")
     if not isinstance(table, dict):
         raise RuleFileError(f"{path}: [{class_name}] must be a table of op = \"reason\"")
     return OpClass(class_name)

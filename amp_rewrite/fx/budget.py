@@ -256,35 +256,73 @@ class _Recorder(torch.fx.Interpreter):
         return out
 
 
+_SCORE_ROUNDS = 3
+
+
 def _score(units: dict[str, core_budget.Unit], prepared: torch.fx.GraphModule,
-           default: torch.fx.GraphModule, req: BudgetRequest) -> dict[str, core_budget.Unit]:
-    """Units with their injected error in the default plan on the first search batch: the
-    relative error of the output less the largest of its inputs', both against FP32."""
+           default: torch.fx.GraphModule, low: torch.dtype, lower: Lower, req: BudgetRequest
+           ) -> dict[str, core_budget.Unit]:
+    """Units with their injected error on the first search batch: the relative error of the
+    output less the largest of its inputs', both against FP32. A unit whose FP32 output or
+    input exceeds the low dtype's range overflows when run low: infinite. What follows an
+    overflow reads Inf and shows nothing, so the rest are scored in the plan with those
+    pinned (and any overflow that still shows pinned too, for a few rounds; these runs are
+    not counted as evaluations)."""
     nodes = {n.name: n for n in prepared.graph.nodes}
     inputs = {u: [a.name for a in nodes[u].all_input_nodes] for u in units}
     names = set(units) | {a for names in inputs.values() for a in names}
-    batch = req.search[0]
-    values = []
-    for gm in (prepared, default):
-        recorder = _Recorder(gm, names)
-        with torch.no_grad():
-            recorder.run(*flat_inputs(gm, batch, req.kwargs))
-        values.append(recorder.seen)
-    fp32, low = values
+    fp32 = _values(prepared, names, req)
+    overflowing = {u for u in units if any(_beyond(t, low) for name in (u, *inputs[u])
+                                           for t in fp32.get(name, ()))}
+    plan = default
+    for _ in range(_SCORE_ROUNDS):
+        if overflowing:
+            plan = shared_copy(prepared)
+            lower(plan, _reasons(frozenset(overflowing), req.max_error))
+        scores = _injected(units, inputs, fp32, _values(plan, names, req))
+        new = {k for k, v in scores.items() if math.isinf(v)} - overflowing
+        overflowing |= new
+        if not new:
+            break
+    scores.update(dict.fromkeys(overflowing, math.inf))
+    return {k: core_budget.Unit(k, u.weight, scores[k]) for k, u in units.items()}
 
+
+def _beyond(t: torch.Tensor, low: torch.dtype) -> bool:
+    """Whether ``t`` holds values the low dtype cannot (the fp32 mask sentinel aside: a low
+    op gets the low dtype's own, ``fx/view.py``)."""
+    magnitude = t.abs()
+    sentinel = torch.finfo(torch.float32).max
+    return bool(((magnitude > torch.finfo(low).max) & (magnitude < sentinel)).any())
+
+
+def _values(gm: torch.fx.GraphModule, names: set[str], req: BudgetRequest) -> dict:
+    recorder = _Recorder(gm, names)
+    with torch.no_grad():
+        recorder.run(*flat_inputs(gm, req.search[0], req.kwargs))
+    return recorder.seen
+
+
+def _injected(units: Mapping[str, core_budget.Unit], inputs: Mapping[str, list[str]],
+              fp32: Mapping[str, list], low: Mapping[str, list]) -> dict[str, float]:
+    """Each unit's output error less its inputs' (Inf where it turns finite inputs into
+    Inf or NaN, 0 where its inputs are already not finite: nothing is known there)."""
     def rel(name: str) -> float:
         if name not in fp32 or name not in low:
             return 0.0
         return relative_error(fp32[name], low[name])
 
-    scored = {}
-    for name, unit in units.items():
+    scores = {}
+    for name in units:
         out = rel(name)
         before = max((rel(a) for a in inputs[name]), default=0.0)
-        injected = (math.inf if not math.isinf(before) else 0.0) if math.isinf(out) \
-            else max(out - before, 0.0) if math.isfinite(before) else 0.0
-        scored[name] = core_budget.Unit(name, unit.weight, injected)
-    return scored
+        if math.isinf(before):
+            scores[name] = 0.0
+        elif math.isinf(out):
+            scores[name] = math.inf
+        else:
+            scores[name] = max(out - before, 0.0)
+    return scores
 
 
 # ----------------------------------------------------------------------------- the search
@@ -370,7 +408,7 @@ def search_budget(prepared: torch.fx.GraphModule, lower: Lower, req: BudgetReque
     amp = lower(default, {})
     units = _units(amp, prepared)
     if len(units) > req.max_evaluations - 4:  # too many to measure alone: estimate them
-        units = _score(units, prepared, default, req)
+        units = _score(units, prepared, default, amp.view.low, lower, req)
 
     def evaluate(pins: frozenset) -> float:
         if not pins:

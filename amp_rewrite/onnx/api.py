@@ -36,6 +36,7 @@ class RewriteResult:
     opset_conversion: str | None = None  # why and how the opset was converted for bf16
     budget: dict | None = None  # the accuracy budget's report section (max_error given)
     pinned_by_budget: list | None = None
+    lowered_by_budget: list | None = None
 
     @functools.cached_property
     def report(self) -> dict:
@@ -53,7 +54,8 @@ class RewriteResult:
                                       opset_conversion=self.opset_conversion)
             if self.budget is not None:
                 self._report.extra.update(budget=self.budget,
-                                          pinned_by_budget=self.pinned_by_budget)
+                                          pinned_by_budget=self.pinned_by_budget,
+                                          lowered_by_budget=self.lowered_by_budget)
         return self._report
 
     def proto(self) -> onnx.ModelProto:
@@ -135,7 +137,8 @@ def rewrite_onnx_model(source: Source, *,
         if max_error is not None:
             outcome = _search_budget(loaded, options, rules_, max_error, calibration_data,
                                      max_evaluations, progress)
-            options = dataclasses.replace(options, budget_pins=outcome.pins)
+            options = dataclasses.replace(options, budget_pins=outcome.pins,
+                                          budget_low=outcome.lowered)
         model = loaded.model
         pass_ = MixedPrecisionPass(options, rules_, loaded.info)
         pass_(model)
@@ -148,6 +151,7 @@ def rewrite_onnx_model(source: Source, *,
             _check_output(result, source)
         if outcome is not None:
             result.budget, result.pinned_by_budget = outcome.report(), outcome.pinned()
+            result.lowered_by_budget = outcome.lowered_nodes()
             result.budget.update(_held_out_on_runtime(result, outcome))
             if emit_rules is not None:
                 from amp_rewrite.onnx.budget import write_rule_overlay

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+import ml_dtypes
 import numpy as np
 import onnx
 import onnx_ir as ir
@@ -51,20 +52,29 @@ class BudgetOutcome:
     default_held_out_error: float
     seconds: float
     names: dict = field(default_factory=dict)  # unit key -> node name
+    relax: Relaxed | None = None  # fp32 nodes run low where the default plan had slack
     fp32: onnx.ModelProto | None = None  # the FP32 model and held-out inputs, for the
     held_feeds: dict | None = None  # rewritten model's own check (api._held_out_on_runtime)
 
+    shares: tuple[float, float] = (1.0, 1.0)  # FLOP-weighted low share: (final, default)
+
+    @property
+    def lowered(self) -> dict[str, str]:
+        return self.relax.lowered if self.relax else {}
+
     def report(self) -> dict:
-        r = self.result
+        r, x = self.result, self.relax
         return {"max_error": r.budget, "reachable": r.reachable,
-                "achieved": _finite(r.error), "held_out": _finite(self.held_out_error),
+                "achieved": _finite(x.result.error if x else r.error),
+                "held_out": _finite(self.held_out_error),
                 "default_plan_error": _finite(r.start_error),
                 "default_plan_held_out": _finite(self.default_held_out_error),
                 "all_pinned_error": _finite(r.floor_error),
-                "evaluations": r.evaluations, "seconds": round(self.seconds, 3),
+                "evaluations": r.evaluations + (x.result.evaluations if x else 0),
+                "seconds": round(self.seconds, 3),
                 "contributions": "measured" if r.measured else "estimated",
-                "low_flop_share": round(r.low_share(self.units), 4),
-                "default_low_flop_share": 1.0,
+                "low_flop_share": round(self.shares[0], 4),
+                "default_low_flop_share": round(self.shares[1], 4),
                 "inputs": self.inputs, "held_out_inputs": self.held_out_inputs,
                 "emulation": "onnxruntime float32 kernels, every low input and output rounded"}
 
@@ -72,6 +82,12 @@ class BudgetOutcome:
         weight = {u.key: u.weight for u in self.units}
         return [{"node": self.names[k], "contribution": _finite(self.result.contributions.get(k)),
                  "flops": weight[k]} for k in self.result.pins]
+
+    def lowered_nodes(self) -> list[dict]:
+        if not self.relax:
+            return []
+        weight = {u.key: u.weight for u in self.relax.units}
+        return [{"node": n, "flops": weight[n]} for n in sorted(self.lowered)]
 
 
 def _finite(x: float | None) -> float | str | None:
@@ -299,10 +315,12 @@ def search_budget(pass_, model: ir.Model, max_error: float, search_feeds: dict,
     pass_.prepare(model)
     default = pass_.plan_view()
     emulator = Emulator(pass_, model)
-    reference = emulator.run(search_feeds, None)
-    units, unit_groups, names = _units(pass_, default, emulator, search_feeds)
+    fetch = emulator.fetchable
+    fp32 = dict(zip(fetch, emulator.run(search_feeds, None, fetch)))
+    reference = [fp32[name] for name in emulator.outputs]
+    shapes = _shapes(emulator, search_feeds, fp32)
+    units, unit_groups, names = _units(pass_, default, emulator, shapes)
     unit_list = list(units.values())
-    _score(unit_list, emulator, search_feeds, default, names)  # used where too many to measure
 
     def plan_of(pins: frozenset):
         extra = {g: "pinned fp32 by the accuracy budget" for k in pins for g in unit_groups[k]}
@@ -311,18 +329,109 @@ def search_budget(pass_, model: ir.Model, max_error: float, search_feeds: dict,
     def evaluate(pins: frozenset) -> float:
         return emulator.error(search_feeds, reference, plan_of(pins))
 
-    result = core_budget.search(unit_list, evaluate, max_error,
+    def estimate() -> dict:
+        """One run of the default plan with the overflowing units pinned (module docstring)."""
+        overflowing = _overflowing(unit_list, emulator, fp32, names)
+        return _scores(unit_list, emulator, search_feeds, fp32,
+                       plan_of(frozenset(overflowing)), names, overflowing)
+
+    result = core_budget.search(unit_list, evaluate, max_error, estimate=estimate,
                                 max_evaluations=max_evaluations, progress=progress)
+    del fp32
+    relax = _relax(pass_, default, emulator, search_feeds, reference, shapes, max_error,
+                   max_evaluations - result.evaluations, result, progress)
+    final = plan_of(frozenset(result.pins)) if relax is None else relax.plan
     held_reference = emulator.run(held_feeds, None)
-    held = emulator.error(held_feeds, held_reference, plan_of(frozenset(result.pins)))
+    held = emulator.error(held_feeds, held_reference, final)
     held_default = emulator.error(held_feeds, held_reference, default)
     if held > max_error:
         logger.warning("accuracy budget: the plan's error on held-out inputs is %.3g, above "
                        "--max-error %g (%.3g on the inputs searched); pass more varied "
                        "--calibrate data", held, max_error, result.error)
     pins = {names[k]: _pin_reason(result, k) for k in result.pins}
+    shares = (low_flop_share(pass_, final, emulator, shapes),
+              low_flop_share(pass_, default, emulator, shapes))
     return BudgetOutcome(pins, result, unit_list, inputs, held_out_inputs, held,
-                         held_default, time.perf_counter() - start, names)
+                         held_default, time.perf_counter() - start, names, relax=relax,
+                         shares=shares)
+
+
+def low_flop_share(pass_, plan, emulator: Emulator, shapes) -> float:
+    """FLOPs of the main-graph nodes ``plan`` runs low (any port group low) over those of all
+    main-graph nodes with float ports."""
+    low: dict[str, bool] = {}
+    for key, (node, _) in pass_.view.groups.items():
+        if key in emulator.flags and node.name in emulator.node_io:
+            low[node.name] = low.get(node.name, False) or plan.precision(key) is Precision.LOW
+    weights = {name: _weight(emulator, name, shapes) for name in low}
+    total = sum(weights.values())
+    return sum(w for n, w in weights.items() if low[n]) / total if total else 1.0
+
+
+@dataclass
+class Relaxed:
+    """Nodes the calibration threshold kept fp32 that the budget runs low."""
+
+    result: core_budget.BudgetResult  # its pins: the candidates kept fp32
+    units: list[core_budget.Unit]
+    lowered: dict[str, str]  # node name -> reason (OnnxOptions.budget_low)
+    plan: object
+
+
+def _relax(pass_, default, emulator, feeds, reference, shapes, max_error: float, left: int,
+           tightened: core_budget.BudgetResult, progress) -> Relaxed | None:
+    """With the default plan within the budget, the most FLOPs of the nodes the calibration
+    threshold kept fp32 run low instead, measured as the pins are (``core_budget.search``
+    with pinned = kept fp32)."""
+    if tightened.pins or not tightened.reachable or left < 3:
+        return None
+    groups = _relax_candidates(pass_, default, emulator)
+    if not groups:
+        return None
+    units = [core_budget.Unit(name, _weight(emulator, name, shapes)) for name in sorted(groups)]
+
+    def plan_of(kept: frozenset):
+        low = {g: "run low by the accuracy budget" for name, gs in groups.items()
+               if name not in kept for g in gs}
+        return pass_.plan_view(None, low) if low else default
+
+    def evaluate(kept: frozenset) -> float:
+        return emulator.error(feeds, reference, plan_of(kept))
+
+    shown = (lambda done, error: progress(tightened.evaluations + done, error)) if progress \
+        else None
+    result = core_budget.search(units, evaluate, max_error, max_evaluations=left,
+                                progress=shown)
+    kept = set(result.pins) if result.reachable else set(groups)
+    lowered = {name: (f"run low by the accuracy budget --max-error {max_error:g} (the plan "
+                      f"measures {_finite(result.error)}; the rules kept it fp32: "
+                      f"{default.decisions[groups[name][0]].reason})")
+               for name in groups if name not in kept}
+    return Relaxed(result, units, lowered, plan_of(frozenset(kept)))
+
+
+def _relax_candidates(pass_, default, emulator) -> dict[str, list]:
+    """Node name -> its groups that run fp32 only because of a calibration pin (main graph,
+    uniquely named nodes, not fixed by the adapter). The threshold (4096 for fp16) leaves
+    headroom below the range that the measurement can give back; deny propagation is kept:
+    it encodes what inputs the data may not show (an all-masked row, a larger exp input),
+    and its ops are light."""
+    calibrated = set(pass_._pins())
+    duplicated = _duplicate_names(pass_)
+    groups: dict[str, list] = {}
+    for key, (node, _) in pass_.view.groups.items():
+        d = default.decisions[key]
+        if key not in emulator.flags or not node.name or node.name in duplicated \
+                or pass_.view.graph.group(key).fixed is not None or d.precision is Precision.LOW:
+            continue
+        if key in calibrated:
+            groups.setdefault(node.name, []).append(key)
+    return groups
+
+
+def _weight(emulator, name: str, shapes) -> float:
+    ins, outs, op = emulator.node_io[name]
+    return node_flops(op, [shapes.get(v) for v in ins], [shapes.get(v) for v in outs])
 
 
 def _pin_reason(result: core_budget.BudgetResult, key) -> str:
@@ -334,7 +443,7 @@ def _pin_reason(result: core_budget.BudgetResult, key) -> str:
             f"and the budget's other pins low{amount})")
 
 
-def _units(pass_, default, emulator: Emulator, feeds) -> tuple[dict, dict, dict]:
+def _units(pass_, default, emulator: Emulator, shapes) -> tuple[dict, dict, dict]:
     """(node name -> Unit, node name -> its group keys, name -> name) for the main-graph
     nodes the default plan runs low by the rules' choice; FLOPs from one FP32 run."""
     graph = pass_.view.graph
@@ -348,12 +457,7 @@ def _units(pass_, default, emulator: Emulator, feeds) -> tuple[dict, dict, dict]
     low = {n for n, ks in groups.items() if any(default.precision(k) is Precision.LOW for k in ks)}
     duplicated = _duplicate_names(pass_)
     names_ = sorted(low - duplicated)
-    shapes = _shapes(emulator, feeds)
-    units = {}
-    for name in names_:
-        ins, outs, op = emulator.node_io[name]
-        weight = node_flops(op, [shapes.get(v) for v in ins], [shapes.get(v) for v in outs])
-        units[name] = core_budget.Unit(name, weight)
+    units = {name: core_budget.Unit(name, _weight(emulator, name, shapes)) for name in names_}
     return units, {n: groups[n] for n in names_}, {n: n for n in names_}
 
 
@@ -364,10 +468,9 @@ def _duplicate_names(pass_) -> set[str]:
     return dup
 
 
-def _shapes(emulator: Emulator, feeds) -> dict[str, tuple]:
-    """Shape of every value of the main graph in one FP32 run (feeds and weights too)."""
-    got = dict(zip(emulator.fetchable, emulator.run(feeds, None, emulator.fetchable)))
-    shapes = {n: a.shape for n, a in got.items()}
+def _shapes(emulator: Emulator, feeds, fp32: Mapping[str, np.ndarray]) -> dict[str, tuple]:
+    """Shape of every value of the main graph (from the FP32 run; feeds and weights too)."""
+    shapes = {n: a.shape for n, a in fp32.items()}
     shapes.update({raw: shapes[seen] for raw, seen in emulator.visible.items() if seen in shapes})
     shapes.update({k: np.asarray(v).shape for k, v in feeds.items()})
     for init in emulator.view.graphs[0].initializers.values():
@@ -376,13 +479,40 @@ def _shapes(emulator: Emulator, feeds) -> dict[str, tuple]:
     return shapes
 
 
-def _score(units: list, emulator: Emulator, feeds, default, names) -> None:
-    """Each unit's injected error in the default plan: max relative error of its outputs
-    less that of its inputs, both against the FP32 run (in place on ``units``); for a node
-    writing a graph output, its output's error."""
+def _overflowing(units: list, emulator: Emulator, fp32: Mapping[str, np.ndarray],
+                 names) -> set:
+    """Units with a float input or output beyond the low dtype's range in the FP32 run: low,
+    they overflow whatever else runs low (found without a run, where an overflow upstream
+    would hide the next one behind its infinities)."""
+    limit = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max if emulator.view.low is
+                  LowDtype.BFLOAT16 else np.finfo(np.float16).max)
+    peaks: dict[str, float] = {}
+
+    def peak(name: str) -> float:
+        seen = emulator.visible.get(name, name)
+        if seen not in peaks:
+            a = fp32.get(seen)
+            finite = a[np.isfinite(a)] if a is not None and a.dtype.kind == "f" else None
+            peaks[seen] = float(np.abs(finite).max()) if finite is not None and finite.size \
+                else 0.0
+        return peaks[seen]
+
+    found = set()
+    for unit in units:
+        ins, outs, _ = emulator.node_io[names[unit.key]]
+        if any(peak(v) > limit for v in (*ins, *outs) if v):
+            found.add(unit.key)
+    return found
+
+
+def _scores(units: list, emulator: Emulator, feeds, fp32: Mapping[str, np.ndarray], plan,
+            names, overflowing: set) -> dict:
+    """Each unit's injected error in ``plan`` (the default plan with the overflowing units
+    pinned): max relative error of its outputs less that of its inputs, both against the
+    FP32 run, by unit key; for a node writing a graph output, its output's error; an
+    overflowing unit's is infinite."""
     fetch = emulator.fetchable
-    fp32 = dict(zip(fetch, emulator.run(feeds, None, fetch)))
-    low = dict(zip(fetch, emulator.run(feeds, default, fetch)))
+    low = dict(zip(fetch, emulator.run(feeds, plan, fetch)))
     rel_cache: dict[str, float] = {}
 
     def rel(name: str) -> float:
@@ -397,17 +527,21 @@ def _score(units: list, emulator: Emulator, feeds, default, names) -> None:
         return rel_cache[seen]
 
     graph_outputs = set(emulator.outputs)
-    for i, unit in enumerate(units):
+    scores = {}
+    for unit in units:
+        if unit.key in overflowing:
+            scores[unit.key] = math.inf
+            continue
         ins, outs, _ = emulator.node_io[names[unit.key]]
         out_err = max((rel(v) for v in outs), default=0.0)
         # an output's own rounding reaches the graph output whole: no input error to deduct
         in_err = 0.0 if graph_outputs & set(outs) else max((rel(v) for v in ins if v),
                                                             default=0.0)
         if math.isinf(out_err):
-            injected = 0.0 if math.isinf(in_err) else math.inf
+            scores[unit.key] = 0.0 if math.isinf(in_err) else math.inf
         else:
-            injected = max(out_err - in_err, 0.0)
-        units[i] = core_budget.Unit(unit.key, unit.weight, injected)
+            scores[unit.key] = max(out_err - in_err, 0.0)
+    return scores
 
 
 def write_rule_overlay(path, pass_, outcome: BudgetOutcome, options) -> None:
@@ -426,8 +560,9 @@ def write_rule_overlay(path, pass_, outcome: BudgetOutcome, options) -> None:
     entries += [(core_budget.fnmatch_literal(n), "pinned fp32 by calibration (--calibrate)", "")
                 for n in calibrated]
     entries += [(p, "--keep-fp32 pattern", "") for p in options.keep_fp32]
+    low = [(core_budget.fnmatch_literal(n), why, "") for n, why in sorted(outcome.lowered.items())]
     header = [f"amp-rewrite --max-error {r.budget:g}: rewriting with this overlay (--rules) and "
               "no --max-error reproduces the plan",
               f"error {_finite(r.error)} on {outcome.inputs}; {_finite(outcome.held_out_error)} "
               f"held out; {r.evaluations} evaluations"]
-    write_bytes_atomically(path, core_budget.rule_overlay(entries, header).encode("utf-8"))
+    write_bytes_atomically(path, core_budget.rule_overlay(entries, header, low).encode("utf-8"))

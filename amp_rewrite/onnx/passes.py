@@ -47,8 +47,9 @@ class OnnxOptions:
     target: str = "ort"  # "ort": contrib ops allowed; "onnx": standard ops only
     # fnmatch patterns of main-graph inputs/outputs made low (a KV cache); others keep types
     low_io: tuple[str, ...] = ()
-    # node name -> reason: pinned fp32 by the accuracy budget (amp_rewrite.onnx.budget)
+    # node name -> reason: pinned fp32 / run low by the accuracy budget (onnx/budget.py)
     budget_pins: Mapping[str, str] = field(default_factory=dict)
+    budget_low: Mapping[str, str] = field(default_factory=dict)
 
 
 class MixedPrecisionPass(ir.passes.InPlacePass):
@@ -99,11 +100,15 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
             self.low_io = low_io_report(model, self.options.low_io)
         return self.view
 
-    def plan_view(self, extra_pins: Mapping | None = None) -> PrecisionPlan:
-        """The plan of the prepared view; ``extra_pins``: group key -> reason, fixed high
-        besides the options' pins (the accuracy-budget search re-plans with them)."""
+    def plan_view(self, extra_pins: Mapping | None = None,
+                  low_pins: Mapping | None = None) -> PrecisionPlan:
+        """The plan of the prepared view; ``extra_pins`` / ``low_pins``: group key -> reason,
+        fixed high / low besides the options' (the accuracy-budget search re-plans with them)."""
+        low = {k: self.options.budget_low[node.name] for k, (node, _) in self.view.groups.items()
+               if node.name in self.options.budget_low}
         return plan_precision(self.view.graph, self.rules, keep_fp32=self.options.keep_fp32,
                               pins={**self._pins(), **(extra_pins or {})},
+                              low_pins={**low, **(low_pins or {})},
                               savings_weight=self.options.savings_weight,
                               wide_values=self.view.wide_values)
 
