@@ -82,3 +82,30 @@ def test_every_variable_the_package_reads_is_known():
             if not name.endswith("_") and name != ENV_PREFIX}
     assert "AMP_REWRITE_FORK" in read  # the scan finds the variables it is meant to find
     assert read - set(known_env_vars()) == set()
+
+
+def test_pin_tables_fix_named_groups_with_their_reasons(tmp_path):
+    from amp_rewrite.core import GroupInfo, Precision, PrecisionGraph, plan_precision
+
+    overlay = tmp_path / "pins.toml"
+    overlay.write_text('schema = 1\n[keep_fp32]\n"mm[*]" = "budget said so"\n'
+                       '[keep_low]\n"exp_1" = "measured fine"\n')
+    rules = load_rules("onnx", [overlay], env={})
+    g = PrecisionGraph()
+    for v in "xyz":
+        g.add_value(v, nbytes=64)
+    g.add_source("in", "x", name="x", fixed=Precision.HIGH)
+    g.add_group(GroupInfo("mm", "mm", "mm*", "MatMul"), ["x"], ["y"])  # allow: low by class
+    g.add_group(GroupInfo("exp", "exp", "exp_1", "Exp"), ["y"], ["z"])  # deny: high by class
+    g.add_sink("out", "z", name="out", fixed=Precision.HIGH)
+    plan = plan_precision(g, rules)
+    assert plan.precision("mm") is Precision.HIGH and "budget said so" in plan.decisions["mm"].reason
+    assert plan.precision("exp") is Precision.LOW and "measured fine" in plan.decisions["exp"].reason
+
+
+@pytest.mark.parametrize("table", ["keep_fp32", "keep_low"])
+def test_pin_tables_need_reason_strings(tmp_path, table):
+    bad = tmp_path / "bad.toml"
+    bad.write_text(f'schema = 1\n[{table}]\n"node_1" = 3\n')
+    with pytest.raises(RuleFileError, match=f"{table}.*node_1"):
+        load_rules("onnx", [bad], env={})

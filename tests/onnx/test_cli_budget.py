@@ -129,3 +129,26 @@ def test_emit_rules_never_overwrites_an_input(model_path, tmp_path, capsys):
     code, _, err = run_cli([model_path, "-o", tmp_path / "o.onnx", "--max-error", 1e-3,
                             "--emit-rules", model_path], capsys)
     assert code == 2 and "would destroy an input" in err and model_path.read_bytes() == before
+
+
+def test_slack_in_the_budget_lowers_what_a_tight_threshold_kept_fp32(model_path, tmp_path,
+                                                                     capsys):
+    # --threshold 1 pins almost every node by calibration; within 1e-2 the budget measures
+    # which of them may run low after all, and the overlay ([keep_low]) reproduces that
+    out, report, overlay = tmp_path / "o.onnx", tmp_path / "r.json", tmp_path / "pins.toml"
+    assert run_cli([model_path, "-o", out, "--calibrate", EXAMPLE_INPUTS, "--threshold", 1,
+                    "--max-error", 1e-2, "--report", report, "--emit-rules", overlay],
+                   capsys)[0] == 0
+    r = json.loads(report.read_text())
+    b = r["budget"]
+    assert r["lowered_by_budget"] and b["low_flop_share"] > b["default_low_flop_share"]
+    assert b["held_out"] <= 1e-2 and b["held_out_onnxruntime"] <= 1e-2
+    assert _fresh_error(model_path, out, seed=11) <= 1e-2
+    lowered = {n["node"] for n in r["lowered_by_budget"]}
+    assert all(n["precision"] == "low" for n in r["nodes"] if n["name"] in lowered)
+    assert "[keep_low]" in overlay.read_text()
+    again = tmp_path / "r2.json"
+    assert run_cli([model_path, "-o", tmp_path / "a.onnx", "--rules", overlay, "--report", again],
+                   capsys)[0] == 0
+    assert [(n["name"], n["precision"]) for n in json.loads(again.read_text())["nodes"]] == \
+           [(n["name"], n["precision"]) for n in r["nodes"]]
