@@ -1,6 +1,6 @@
 """``python -m amp_rewrite.bench fx``: the torch.fx rewrite on CPU (speed, models, fusion).
 
-    python -m amp_rewrite.bench fx {table,speed,fusion,autocast,backend,step} ...
+    python -m amp_rewrite.bench fx {table,speed,fusion,autocast,backend,step,budget} ...
 """
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ MODES = {
                 "the torch.compile backend on the zoo: errors, gradients, recompiles"),
     "step": ("amp_rewrite.bench.gpu_training:cpu_main",
              "training step on this CPU vs autocast, eager and compiled"),
+    "budget": ("amp_rewrite.bench.fx_budget",
+               "accuracy budget on 5 zoo models: held-out error, share, vs autocast"),
 }
 
 

@@ -252,6 +252,13 @@ def _contributions(units: list[Unit], ev: _Evaluator, floor: float, estimate
     return {u.key: u.score or 0.0 for u in units}, False
 
 
+def rounded(x: float | None) -> float | str | None:
+    """A measured error for a report: 4 significant digits, ``"inf"`` for infinity."""
+    if x is None:
+        return None
+    return "inf" if math.isinf(x) else float(f"{x:.4g}")
+
+
 def fnmatch_literal(name: str) -> str:
     """An fnmatch pattern matching exactly ``name`` (``[``, ``*``, ``?`` escaped)."""
     return "".join(f"[{c}]" if c in "[]*?" else c for c in name)

@@ -218,6 +218,7 @@ def _rewrite_graph(gm: torch.fx.GraphModule, options: FxOptions,
             pointwise(gm)
     report = _report(gm, prepared, lowered, pointwise)
     if outcome is not None:
+        outcome.finish(lowered.amp)
         outcome.held_out(gm, reference)
         report.extra.update(budget=outcome.report(), pinned_by_budget=outcome.pinned())
         if budget.emit_rules is not None:

@@ -23,7 +23,6 @@ import copy
 import logging
 import math
 import os
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -225,6 +224,22 @@ def _numel(t: torch.Tensor) -> float:
     return float(math.prod(size_hint(d) for d in t.shape))
 
 
+def node_weights(amp, prepared: torch.fx.GraphModule) -> dict[str, float]:
+    """FLOPs of every node the plan has a group for (the share's denominator)."""
+    nodes = {n.name: n for n in prepared.graph.nodes}
+    return {g.name: node_flops(nodes[g.name], g.op_key) for g in amp.view.graph.groups()
+            if isinstance(g.key, tuple) and g.key[0] == "g" and g.name in nodes}
+
+
+def low_flop_share(amp, weights: Mapping[str, float]) -> float:
+    """FLOPs of the nodes ``amp``'s plan runs low (any group low) over ``weights``' total."""
+    low = {g.name for g in amp.view.graph.groups() if g.name in weights
+           and isinstance(g.key, tuple) and g.key[0] == "g"
+           and amp.plan.precision(g.key) is Precision.LOW}
+    total = sum(weights.values())
+    return sum(weights[n] for n in low) / total if total else 1.0
+
+
 def _units(amp, prepared: torch.fx.GraphModule) -> dict[str, core_budget.Unit]:
     """Node name -> Unit for the nodes ``amp``'s plan runs low by the rules' choice."""
     graph, plan = amp.view.graph, amp.plan
@@ -256,18 +271,14 @@ class _Recorder(torch.fx.Interpreter):
         return out
 
 
-_SCORE_ROUNDS = 3
-
-
-def _score(units: dict[str, core_budget.Unit], prepared: torch.fx.GraphModule,
-           default: torch.fx.GraphModule, low: torch.dtype, lower: Lower, req: BudgetRequest
-           ) -> dict[str, core_budget.Unit]:
-    """Units with their injected error on the first search batch: the relative error of the
+def _scores(units: dict[str, core_budget.Unit], prepared: torch.fx.GraphModule,
+            default: torch.fx.GraphModule, low: torch.dtype, lower: Lower, req: BudgetRequest
+            ) -> dict[str, float]:
+    """Each unit's injected error on the first search batch: the relative error of the
     output less the largest of its inputs', both against FP32. A unit whose FP32 output or
     input exceeds the low dtype's range overflows when run low: infinite. What follows an
     overflow reads Inf and shows nothing, so the rest are scored in the plan with those
-    pinned (and any overflow that still shows pinned too, for a few rounds; these runs are
-    not counted as evaluations)."""
+    pinned (one FP32 recording and one plan run: ``core.budget`` counts it as one plan)."""
     nodes = {n.name: n for n in prepared.graph.nodes}
     inputs = {u: [a.name for a in nodes[u].all_input_nodes] for u in units}
     names = set(units) | {a for names in inputs.values() for a in names}
@@ -275,17 +286,12 @@ def _score(units: dict[str, core_budget.Unit], prepared: torch.fx.GraphModule,
     overflowing = {u for u in units if any(_beyond(t, low) for name in (u, *inputs[u])
                                            for t in fp32.get(name, ()))}
     plan = default
-    for _ in range(_SCORE_ROUNDS):
-        if overflowing:
-            plan = shared_copy(prepared)
-            lower(plan, _reasons(frozenset(overflowing), req.max_error))
-        scores = _injected(units, inputs, fp32, _values(plan, names, req))
-        new = {k for k, v in scores.items() if math.isinf(v)} - overflowing
-        overflowing |= new
-        if not new:
-            break
+    if overflowing:
+        plan = shared_copy(prepared)
+        lower(plan, _reasons(frozenset(overflowing), req.max_error))
+    scores = _injected(units, inputs, fp32, _values(plan, names, req))
     scores.update(dict.fromkeys(overflowing, math.inf))
-    return {k: core_budget.Unit(k, u.weight, scores[k]) for k, u in units.items()}
+    return scores
 
 
 def _beyond(t: torch.Tensor, low: torch.dtype) -> bool:
@@ -342,6 +348,12 @@ class BudgetOutcome:
     default_held_out: float | None
     held_out_error: float | None = None
     pins: dict[str, str] = field(default_factory=dict)  # node name -> reason (FxOptions)
+    weights: dict[str, float] = field(default_factory=dict)  # node name -> FLOPs
+    shares: tuple[float, float] = (1.0, 1.0)  # FLOP-weighted low share: (final, default)
+
+    def finish(self, amp) -> None:
+        """Record the final plan's share (``amp``: its MixedPrecisionPass)."""
+        self.shares = (low_flop_share(amp, self.weights), self.shares[1])
 
     def held_out(self, gm: torch.nn.Module, reference: References) -> None:
         """The final rewritten module's error on the held-out batches; a warning above E."""
@@ -359,21 +371,22 @@ class BudgetOutcome:
 
     def report(self) -> dict:
         r = self.result
-        return {"max_error": r.budget, "reachable": r.reachable, "achieved": _finite(r.error),
-                "held_out": _finite(self.held_out_error),
-                "default_plan_error": _finite(r.start_error),
-                "default_plan_held_out": _finite(self.default_held_out),
-                "all_pinned_error": _finite(r.floor_error),
+        return {"max_error": r.budget, "reachable": r.reachable, "achieved": core_budget.rounded(r.error),
+                "held_out": core_budget.rounded(self.held_out_error),
+                "default_plan_error": core_budget.rounded(r.start_error),
+                "default_plan_held_out": core_budget.rounded(self.default_held_out),
+                "all_pinned_error": core_budget.rounded(r.floor_error),
                 "evaluations": r.evaluations, "seconds": round(self.seconds, 3),
                 "contributions": "measured" if r.measured else "estimated",
-                "low_flop_share": round(r.low_share(self.units), 4),
+                "low_flop_share": round(self.shares[0], 4),
+                "default_low_flop_share": round(self.shares[1], 4),
                 "inputs": self.request.inputs, "held_out_inputs": self.request.held_out_inputs,
                 "measured_on": "the rewritten graph's own kernels on this device, pointwise "
                                "fusion left out"}
 
     def pinned(self) -> list[dict]:
         weight = {u.key: u.weight for u in self.units}
-        return [{"node": k, "contribution": _finite(self.result.contributions.get(k)),
+        return [{"node": k, "contribution": core_budget.rounded(self.result.contributions.get(k)),
                  "flops": weight[k]} for k in self.result.pins]
 
     def write_rules(self, path: str | os.PathLike) -> Path:
@@ -382,20 +395,16 @@ class BudgetOutcome:
         weight = {u.key: u.weight for u in self.units}
         r = self.result
         entries = [(core_budget.fnmatch_literal(k), self.pins[k],
-                    f"contribution {_finite(r.contributions.get(k))}, {weight[k]:.4g} FLOPs")
+                    f"contribution {core_budget.rounded(r.contributions.get(k))}, {weight[k]:.4g} FLOPs")
                    for k in r.pins]
         header = [f"amp_rewrite.rewrite(max_error={r.budget:g}): rewriting with this overlay "
                   "(rules=[...]), the same other options and no max_error reproduces the plan",
-                  f"error {_finite(r.error)} on {self.request.inputs}; "
-                  f"{_finite(self.held_out_error)} on {self.request.held_out_inputs}; "
+                  f"error {core_budget.rounded(r.error)} on {self.request.inputs}; "
+                  f"{core_budget.rounded(self.held_out_error)} on {self.request.held_out_inputs}; "
                   f"{r.evaluations} evaluations"]
-        return write_atomically(path, core_budget.rule_overlay(entries, header))
+        from amp_rewrite.onnx.save import write_bytes_atomically
 
-
-def _finite(x: float | None) -> float | str | None:
-    if x is None:
-        return None
-    return "inf" if math.isinf(x) else float(f"{x:.4g}")
+        return write_bytes_atomically(path, core_budget.rule_overlay(entries, header).encode())
 
 
 def search_budget(prepared: torch.fx.GraphModule, lower: Lower, req: BudgetRequest,
@@ -407,8 +416,9 @@ def search_budget(prepared: torch.fx.GraphModule, lower: Lower, req: BudgetReque
     default = shared_copy(prepared)
     amp = lower(default, {})
     units = _units(amp, prepared)
-    if len(units) > req.max_evaluations - 4:  # too many to measure alone: estimate them
-        units = _score(units, prepared, default, amp.view.low, lower, req)
+
+    def estimate() -> dict[str, float]:
+        return _scores(units, prepared, default, amp.view.low, lower, req)
 
     def evaluate(pins: frozenset) -> float:
         if not pins:
@@ -421,13 +431,16 @@ def search_budget(prepared: torch.fx.GraphModule, lower: Lower, req: BudgetReque
     def progress(done: int, error: float) -> None:
         log.info("accuracy budget: plan %d measured, error %.3g", done, error)
 
-    result = core_budget.search(units.values(), evaluate, req.max_error,
+    result = core_budget.search(units.values(), evaluate, req.max_error, estimate=estimate,
                                 max_evaluations=req.max_evaluations, progress=progress)
     default_held = (reference.error(default, req.held, req.kwargs, held=True)
                     if req.held else None)
     outcome = BudgetOutcome(req, result, list(units.values()), time.perf_counter() - start,
                             default_held)
     outcome.pins = {k: _pin_reason(result, k) for k in result.pins}
+    outcome.weights = node_weights(amp, prepared)
+    default_share = low_flop_share(amp, outcome.weights)
+    outcome.shares = (default_share, default_share)  # the final plan's: ``finish``
     return outcome
 
 
@@ -438,19 +451,7 @@ def _reasons(pins: frozenset, budget: float) -> dict[str, str]:
 def _pin_reason(result: core_budget.BudgetResult, key: Hashable) -> str:
     c = result.contributions.get(key)
     how = "measured alone low" if result.measured else "estimated in the default plan"
-    amount = "" if c is None else f": {how}, it adds {_finite(c)} to the output error"
+    amount = "" if c is None else f": {how}, it adds {core_budget.rounded(c)} to the output error"
     return f"{BUDGET_REASON} max_error={result.budget:g}{amount}"
 
 
-def write_atomically(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` to ``path`` by rename: never half-written."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or ".")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path

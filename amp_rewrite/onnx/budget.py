@@ -1,19 +1,21 @@
 """The accuracy budget on the ONNX path: measure plans under per-op rounding, search pins.
 
 One instrumented copy of the fused FP32 model serves every evaluation. Each port group of the
-main graph gets a boolean graph input (its flag); every float input and output of the group
-goes through ``Where(flag, Cast(Cast(x, low), float), x)``. With a plan's labels as the flags,
-the copy computes each op in float32 on inputs rounded to the low dtype and rounds its outputs
-once: what a GPU kernel with fp32 accumulation does, and what ``onnx.reference`` shows (tested
-against it). Casts need no emulation: a value read in the other dtype is the rounded value.
-Flags all off give the FP32 reference. A new plan costs one min cut and one session run, not
-a rewrite.
+main graph (and each graph input and output the plan may make low) gets a boolean graph
+input, its flag; every float input and output of the group goes through
+``Where(flag, Cast(Cast(x, low), float), x)``. With a plan's labels as the flags, the copy
+computes each op in float32 on inputs rounded to the low dtype and rounds its outputs once:
+what a GPU kernel with fp32 accumulation does (tested against ``onnx.reference``). Casts need
+no emulation: a value read in the other dtype is the rounded value. Flags all off give the
+FP32 reference. A plan costs one min cut and one session run, not a rewrite.
 
 Units are main-graph nodes the default plan runs low whose precision the rules decide (the
 adapter's fixes stay); their weight is FLOPs from the shapes of one FP32 run. Where the units
-are too many to measure one by one, each unit's score is the error it injects in the default
-plan: the relative error of its outputs less that of its inputs (``core.budget``). Subgraph
-bodies run in FP32 in the emulation.
+are too many to measure one by one, the estimate is infinite for a node with an input or
+output beyond the low dtype's range in the FP32 run, else the error it injects in the default
+plan (with those pinned): its outputs' relative error less its inputs'. With slack in the
+default plan, nodes pinned by the calibration threshold are tried low (``_relax``).
+Subgraph bodies run in FP32 in the emulation.
 """
 from __future__ import annotations
 
@@ -55,7 +57,6 @@ class BudgetOutcome:
     relax: Relaxed | None = None  # fp32 nodes run low where the default plan had slack
     fp32: onnx.ModelProto | None = None  # the FP32 model and held-out inputs, for the
     held_feeds: dict | None = None  # rewritten model's own check (api._held_out_on_runtime)
-
     shares: tuple[float, float] = (1.0, 1.0)  # FLOP-weighted low share: (final, default)
 
     @property
@@ -65,11 +66,11 @@ class BudgetOutcome:
     def report(self) -> dict:
         r, x = self.result, self.relax
         return {"max_error": r.budget, "reachable": r.reachable,
-                "achieved": _finite(x.result.error if x else r.error),
-                "held_out": _finite(self.held_out_error),
-                "default_plan_error": _finite(r.start_error),
-                "default_plan_held_out": _finite(self.default_held_out_error),
-                "all_pinned_error": _finite(r.floor_error),
+                "achieved": core_budget.rounded(x.result.error if x else r.error),
+                "held_out": core_budget.rounded(self.held_out_error),
+                "default_plan_error": core_budget.rounded(r.start_error),
+                "default_plan_held_out": core_budget.rounded(self.default_held_out_error),
+                "all_pinned_error": core_budget.rounded(r.floor_error),
                 "evaluations": r.evaluations + (x.result.evaluations if x else 0),
                 "seconds": round(self.seconds, 3),
                 "contributions": "measured" if r.measured else "estimated",
@@ -80,7 +81,7 @@ class BudgetOutcome:
 
     def pinned(self) -> list[dict]:
         weight = {u.key: u.weight for u in self.units}
-        return [{"node": self.names[k], "contribution": _finite(self.result.contributions.get(k)),
+        return [{"node": self.names[k], "contribution": core_budget.rounded(self.result.contributions.get(k)),
                  "flops": weight[k]} for k in self.result.pins]
 
     def lowered_nodes(self) -> list[dict]:
@@ -88,12 +89,6 @@ class BudgetOutcome:
             return []
         weight = {u.key: u.weight for u in self.relax.units}
         return [{"node": n, "flops": weight[n]} for n in sorted(self.lowered)]
-
-
-def _finite(x: float | None) -> float | str | None:
-    if x is None:
-        return None
-    return "inf" if math.isinf(x) else float(f"{x:.4g}")
 
 
 class Emulator:
@@ -404,7 +399,7 @@ def _relax(pass_, default, emulator, feeds, reference, shapes, max_error: float,
                                 progress=shown)
     kept = set(result.pins) if result.reachable else set(groups)
     lowered = {name: (f"run low by the accuracy budget --max-error {max_error:g} (the plan "
-                      f"measures {_finite(result.error)}; the rules kept it fp32: "
+                      f"measures {core_budget.rounded(result.error)}; the rules kept it fp32: "
                       f"{default.decisions[groups[name][0]].reason})")
                for name in groups if name not in kept}
     return Relaxed(result, units, lowered, plan_of(frozenset(kept)))
@@ -437,9 +432,9 @@ def _weight(emulator, name: str, shapes) -> float:
 def _pin_reason(result: core_budget.BudgetResult, key) -> str:
     c = result.contributions.get(key)
     how = "measured alone low" if result.measured else "estimated in the default plan"
-    amount = "" if c is None else f"; {how}, it adds {_finite(c)} to the output error"
+    amount = "" if c is None else f"; {how}, it adds {core_budget.rounded(c)} to the output error"
     return (f"pinned fp32 by the accuracy budget --max-error {result.budget:g} (the plan "
-            f"measures {_finite(result.error)}, {_finite(result.start_error)} with this node "
+            f"measures {core_budget.rounded(result.error)}, {core_budget.rounded(result.start_error)} with this node "
             f"and the budget's other pins low{amount})")
 
 
@@ -552,7 +547,7 @@ def write_rule_overlay(path, pass_, outcome: BudgetOutcome, options) -> None:
     weight = {u.key: u.weight for u in outcome.units}
     r = outcome.result
     entries = [(core_budget.fnmatch_literal(outcome.names[k]), outcome.pins[outcome.names[k]],
-                f"contribution {_finite(r.contributions.get(k))}, {weight[k]:.4g} FLOPs")
+                f"contribution {core_budget.rounded(r.contributions.get(k))}, {weight[k]:.4g} FLOPs")
                for k in r.pins]
     calibrated = sorted({pass_.view.graph.group(k).name
                          for k, d in pass_.plan.decisions.items()
@@ -563,6 +558,6 @@ def write_rule_overlay(path, pass_, outcome: BudgetOutcome, options) -> None:
     low = [(core_budget.fnmatch_literal(n), why, "") for n, why in sorted(outcome.lowered.items())]
     header = [f"amp-rewrite --max-error {r.budget:g}: rewriting with this overlay (--rules) and "
               "no --max-error reproduces the plan",
-              f"error {_finite(r.error)} on {outcome.inputs}; {_finite(outcome.held_out_error)} "
+              f"error {core_budget.rounded(r.error)} on {outcome.inputs}; {core_budget.rounded(outcome.held_out_error)} "
               f"held out; {r.evaluations} evaluations"]
     write_bytes_atomically(path, core_budget.rule_overlay(entries, header, low).encode("utf-8"))
