@@ -29,6 +29,7 @@ import argparse
 import datetime
 import logging
 import math
+import os
 import platform
 import subprocess
 import sys
@@ -126,11 +127,9 @@ def concrete_shapes(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]
     import onnx_ir as ir
 
     from amp_rewrite.onnx import validate
-
-    fp32 = as_float32(model)
-    ir_model = ir.from_proto(fp32)
     from amp_rewrite.onnx.passes import infer_missing_types
 
+    ir_model = ir.from_proto(as_float32(model))
     infer_missing_types(ir_model)
     graph = ir_model.graph
     existing = {v.name for v in graph.outputs}
@@ -202,8 +201,6 @@ def _export_batch_dynamic(model: zoo.ZooModel, path: Path) -> Path:
     proto = _separate_read_outputs(onnx.load(str(tmp)))
     tmp.unlink()
     fd, partial = tempfile.mkstemp(suffix=".onnx.tmp", dir=path.parent)
-    import os
-
     os.close(fd)
     onnx.save(proto, partial)
     os.replace(partial, path)
@@ -612,8 +609,6 @@ def _machine() -> str:
                       if ln.startswith("Model name")), platform.processor())
     except (OSError, subprocess.SubprocessError):
         model = platform.processor()
-    import os
-
     return f"{model}, {os.cpu_count()} CPUs"
 
 
