@@ -32,10 +32,10 @@ import dataclasses
 from dataclasses import dataclass, field
 
 DEFAULT_MAX_EVALUATIONS = 25
-# Plans must measure within this fraction of E on the inputs searched: the max-error metric
-# moves by ~±20% between the search and held-out halves of the same data (bench budget),
-# and the promise is E on inputs the search did not see.
-SEARCH_MARGIN = 0.8
+# Plans must measure within this fraction of E on the inputs searched: the promise is E on
+# inputs the search did not see, and the max-error metric of a plan on the held-out half of
+# the same data came out up to 1.64x its searched value (bench budget: GPT-2 bf16, 4 rows).
+SEARCH_MARGIN = 0.5
 
 
 @dataclass(frozen=True)

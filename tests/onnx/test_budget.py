@@ -96,9 +96,10 @@ def test_cancel_model_held_out_within_budget(dtype, budget):
     # the two offset ops are the ones that matter; the rewritten model keeps them fp32
     precisions = _precisions(result)
     assert precisions["add_offset"] == precisions["sub_offset"] == "high"
-    if dtype == "float16":  # the MatMuls' fp16 rounding fits: they stay low
+    if dtype == "float16":
+        assert _num(b["held_out_onnxruntime"]) <= budget
+    if (dtype, budget) == ("float16", 1e-2):  # the MatMuls' fp16 rounding fits: they stay low
         assert b["low_flop_share"] > 0.9
-        assert _num(b["held_out_onnxruntime"]) <= 2 * budget
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -192,6 +193,7 @@ def test_search_is_close_to_brute_force(dtype, budget):
 
     from amp_rewrite.bench.budget import concrete_shapes
     from amp_rewrite.core import LowDtype, Precision
+    from amp_rewrite.core.budget import SEARCH_MARGIN
     from amp_rewrite.onnx.budget import Emulator, default_feeds, node_flops
     from amp_rewrite.onnx.passes import MixedPrecisionPass, OnnxOptions
 
@@ -230,10 +232,12 @@ def test_search_is_close_to_brute_force(dtype, budget):
     def share(pins) -> float:
         return sum(w for u, w in weight.items() if u not in pins) / total
 
+    # the search holds its plans to SEARCH_MARGIN · E on the inputs it sees: so does the best
+    target = budget * SEARCH_MARGIN
     best = max((share(p) for r in range(len(units) + 1)
-                for p in itertools.combinations(units, r) if error(p) <= budget), default=None)
+                for p in itertools.combinations(units, r) if error(p) <= target), default=None)
     assert best is not None  # all pinned meets any budget here
-    assert error(chosen) <= budget
+    assert error(chosen) <= target
     assert _num(b["achieved"]) == pytest.approx(error(chosen), rel=1e-3, abs=1e-12)  # 4 digits
     assert share(chosen) >= best - 0.10, (sorted(chosen), share(chosen), best)
 
@@ -258,16 +262,9 @@ def zoo_model():
     return get
 
 
-# gpt2 bf16 at 1e-3: the plan measures 7.3e-4 on the 4 rows searched and 1.2e-3 on the 4
-# held out (the API warns); the search has no margin for inputs it did not see.
-_HELD_OUT_GAP = pytest.mark.xfail(reason="held-out error 1.2e-3 above E=1e-3 (searched: "
-                                  "7.3e-4): no margin for unseen inputs", strict=False)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype,budget", [
-    ("float16", 1e-2), ("float16", 1e-3), ("bfloat16", 1e-2),
-    pytest.param("bfloat16", 1e-3, marks=_HELD_OUT_GAP)])
+    ("float16", 1e-2), ("float16", 1e-3), ("bfloat16", 1e-2), ("bfloat16", 1e-3)])
 def test_zoo_held_out_within_budget_or_unreachable(zoo_model, dtype, budget):
     model, feeds = zoo_model("gpt2")
     result = rewrite_onnx_model(model, dtype=dtype, calibration_data=feeds, max_error=budget)
