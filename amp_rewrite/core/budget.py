@@ -11,13 +11,15 @@ relative output error under low-precision rounding. The search spends at most
 3. contributions: when the units are few enough, each unit's error measured with it alone
    low and every other unit pinned (less step 2's error: an overflow elsewhere cannot hide
    it); else the adapter's estimate (``Unit.score``);
-4. two candidate plans, each by a bounded search on measured errors: the shortest prefix
-   within E of the units pinned cheapest first (bisection: rounding errors compound along
-   a chain such as a residual stream, where each unit alone is harmless, and the light
-   units cost little share), and an additive model, error ≈ floor + Σ contributions of
-   the low units, as a 0/1 knapsack: keep low the most weight whose contributions fit in a
-   capacity that starts at E − floor and is searched (doubling, halving, bisection), since
-   real errors compound or cancel where the model adds. The lighter plan wins;
+4. candidate plans, each by a bounded search on measured errors: the shortest prefix within
+   E of the units pinned cheapest first (bisection: rounding errors compound along a chain
+   such as a residual stream, where each unit alone is harmless, and the light units cost
+   little share); the shortest prefix of the units by the magnitude of their values,
+   largest first, when the adapter knows it (a calibration threshold sweep, in log2 n
+   plans); and an additive model, error ≈ floor + Σ contributions of the low units, as a
+   0/1 knapsack: keep low the most weight whose contributions fit in a capacity that starts
+   at E − floor and is searched (doubling, halving, bisection), since real errors compound
+   or cancel where the model adds. The lightest plan wins;
 5. pruning: runs of the best plan's pins, heaviest first, go back to low while the
    measured error stays within E: half of them at a time, then quarters, down to single
    pins, until the evaluations run out.
@@ -45,6 +47,7 @@ class Unit:
     key: Hashable
     weight: float  # FLOPs (or any cost of running it high): the share the search protects
     score: float | None = None  # the adapter's estimate of its error contribution
+    peak: float = 0.0  # the largest |x| it reads or writes in the FP32 run (0: unknown)
 
 
 @dataclass(frozen=True)
@@ -122,10 +125,14 @@ def _search(units: Iterable[Unit], evaluate: Callable[[frozenset], float], budge
         return BudgetResult(budget, everything, floor, start, floor, ev.count, False)
     contributions, measured = _contributions(units, ev, floor, estimate)
     weight = {u.key: u.weight for u in units}
-    cheapest = _cheapest_prefix(units, contributions, ev, budget)
-    knapsack = _capacity_search(units, contributions, ev, budget, budget - floor,
-                                reserve=_PRUNE_RESERVE)
-    best = min((cheapest, knapsack), key=lambda pins: sum(weight[k] for k in pins))
+    orders = [_cheapest_first(units, contributions)]
+    if any(u.peak for u in units):
+        orders.append(_largest_first(units))
+    bisection = math.ceil(math.log2(len(units) + 1))
+    candidates = [_shortest_prefix(order, ev, budget, bisection) for order in orders]
+    candidates.append(_capacity_search(units, contributions, ev, budget, budget - floor,
+                                       reserve=_PRUNE_RESERVE))
+    best = min(candidates, key=lambda pins: sum(weight[k] for k in pins))
     pins = _pruned(sorted(best, key=lambda k: (-weight[k], str(k))), ev, budget)
     return BudgetResult(budget, tuple(pins), ev(pins), start, floor, ev.count, True,
                         contributions, measured)
@@ -156,24 +163,41 @@ _CAPACITY_ROUNDS = 60
 _PRUNE_RESERVE = 3  # evaluations the knapsack search leaves to pruning
 
 
-def _cheapest_prefix(units: list[Unit], contributions: Mapping[Hashable, float],
-                     ev: _Evaluator, budget: float) -> list[Hashable]:
-    """The shortest prefix within the budget of the units pinned cheapest first (larger
-    contribution first among equals; units that overflow before all), by bisection. Rounding errors compound through a
-    chain (a residual stream rounded at every layer), so units harmless alone can matter
-    together; the light ones (norms, adds, softmax) cost little share, the GEMMs much."""
-    def key(u: Unit):  # units that overflow first, then the lightest
+def _cheapest_first(units: list[Unit], contributions: Mapping[Hashable, float]
+                    ) -> list[Hashable]:
+    """Units that overflow first, then the lightest (larger contribution first among
+    equals). Rounding errors compound through a chain (a residual stream rounded at every
+    layer), so units harmless alone can matter together; the light ones (norms, adds,
+    softmax) cost little share, the GEMMs much."""
+    def key(u: Unit):
         return (contributions[u.key] < math.inf, u.weight, -contributions[u.key], str(u.key))
 
-    order = [u.key for u in sorted(units, key=key)]
+    return [u.key for u in sorted(units, key=key)]
+
+
+def _largest_first(units: list[Unit]) -> list[Hashable]:
+    """Units by the largest magnitude they read or write in the FP32 run, largest first: a
+    prefix is a calibration threshold's pin set, so the threshold the user would sweep by
+    hand is among the candidates (values near the range, or far above the signal they
+    carry, as a residual stream with a large offset)."""
+    return [u.key for u in sorted(units, key=lambda u: (-u.peak, u.weight, str(u.key)))]
+
+
+def _shortest_prefix(order: list[Hashable], ev: _Evaluator, budget: float, limit: int
+                     ) -> list[Hashable]:
+    """The shortest prefix of ``order`` within the budget, by bisection in at most ``limit``
+    evaluations (every unit pinned is within it: step 2)."""
     low, high = 0, len(order)  # prefix `low` is above the budget, prefix `high` within it
-    while high - low > 1 and ev.left > _PRUNE_RESERVE + 2:
+    spent = ev.count
+    while high - low > 1 and ev.left > _PRUNE_RESERVE + 2 and ev.count - spent < limit:
         mid = (low + high) // 2
         if ev(order[:mid]) <= budget:
             high = mid
         else:
             low = mid
     return order[:high]
+
+
 _KNAPSACK_STEPS = 2000  # capacity resolution: contributions round up to 1/2000 of it
 
 

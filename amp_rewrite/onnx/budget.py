@@ -19,6 +19,7 @@ Subgraph bodies run in FP32 in the emulation.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -315,7 +316,7 @@ def search_budget(pass_, model: ir.Model, max_error: float, search_feeds: dict,
     reference = [fp32[name] for name in emulator.outputs]
     shapes = _shapes(emulator, search_feeds, fp32)
     units, unit_groups, names = _units(pass_, default, emulator, shapes)
-    unit_list = list(units.values())
+    unit_list = _peaks(list(units.values()), emulator, fp32, names)
 
     def plan_of(pins: frozenset):
         extra = {g: "pinned fp32 by the accuracy budget" for k in pins for g in unit_groups[k]}
@@ -326,7 +327,7 @@ def search_budget(pass_, model: ir.Model, max_error: float, search_feeds: dict,
 
     def estimate() -> dict:
         """One run of the default plan with the overflowing units pinned (module docstring)."""
-        overflowing = _overflowing(unit_list, emulator, fp32, names)
+        overflowing = _overflowing(unit_list, emulator)
         return _scores(unit_list, emulator, search_feeds, fp32,
                        plan_of(frozenset(overflowing)), names, overflowing)
 
@@ -474,13 +475,9 @@ def _shapes(emulator: Emulator, feeds, fp32: Mapping[str, np.ndarray]) -> dict[s
     return shapes
 
 
-def _overflowing(units: list, emulator: Emulator, fp32: Mapping[str, np.ndarray],
-                 names) -> set:
-    """Units with a float input or output beyond the low dtype's range in the FP32 run: low,
-    they overflow whatever else runs low (found without a run, where an overflow upstream
-    would hide the next one behind its infinities)."""
-    limit = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max if emulator.view.low is
-                  LowDtype.BFLOAT16 else np.finfo(np.float16).max)
+def _peaks(units: list, emulator: Emulator, fp32: Mapping[str, np.ndarray], names) -> list:
+    """The units with ``peak``: the largest finite |x| of their float inputs and outputs in
+    the FP32 run (weights aside: the range screen has judged them)."""
     peaks: dict[str, float] = {}
 
     def peak(name: str) -> float:
@@ -492,12 +489,21 @@ def _overflowing(units: list, emulator: Emulator, fp32: Mapping[str, np.ndarray]
                 else 0.0
         return peaks[seen]
 
-    found = set()
+    out = []
     for unit in units:
         ins, outs, _ = emulator.node_io[names[unit.key]]
-        if any(peak(v) > limit for v in (*ins, *outs) if v):
-            found.add(unit.key)
-    return found
+        top = max((peak(v) for v in (*ins, *outs) if v), default=0.0)
+        out.append(dataclasses.replace(unit, peak=top))
+    return out
+
+
+def _overflowing(units: list, emulator: Emulator) -> set:
+    """Units with a float input or output beyond the low dtype's range in the FP32 run: low,
+    they overflow whatever else runs low (found without a run, where an overflow upstream
+    would hide the next one behind its infinities)."""
+    limit = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max if emulator.view.low is
+                  LowDtype.BFLOAT16 else np.finfo(np.float16).max)
+    return {u.key for u in units if u.peak > limit}
 
 
 def _scores(units: list, emulator: Emulator, feeds, fp32: Mapping[str, np.ndarray], plan,
