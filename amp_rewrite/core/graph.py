@@ -151,6 +151,3 @@ class PrecisionGraph:
         g.add_edges_from((p, v) for v, p in self._producer.items())
         g.add_edges_from((v, c) for v, cs in self._consumers.items() for c in cs)
         return g
-
-    def __len__(self) -> int:
-        return len(self._values) + len(self._groups)

@@ -128,13 +128,12 @@ def promotion_candidates(graph: PrecisionGraph) -> FreeReads:
 
 
 def free_reads(graph: PrecisionGraph, fixed: dict[Hashable, Precision],
-               candidates: FreeReads | None = None) -> FreeReads:
-    """Reads that need no upcast when the reader runs HIGH (module docstring, *free reads*).
+               candidates: FreeReads) -> FreeReads:
+    """Reads that need no upcast when the reader runs HIGH (module docstring, *free reads*),
+    of the ``promotion_candidates``.
 
     Only producers in ``fixed`` count as anchors: their precision is known before the cut.
     """
-    if candidates is None:
-        candidates = promotion_candidates(graph)
     return _anchored(graph, candidates,
                      lambda u: fixed.get(graph._producer.get(u)) is Precision.HIGH)
 
@@ -329,18 +328,15 @@ def settled_sources(graph: PrecisionGraph, fixed: dict[Hashable, Precision],
     return settled
 
 
-def place(graph: PrecisionGraph, fixed: dict[Hashable, Precision],
-          savings_weight: float = 0.0,
-          free: FreeReads | None = None) -> dict[Hashable, Precision]:
+def place(graph: PrecisionGraph, fixed: dict[Hashable, Precision], savings_weight: float,
+          free: FreeReads) -> dict[Hashable, Precision]:
     """Optimal precision of every group: ``fixed`` plus the min-cut answer for the rest.
 
     ``savings_weight`` (β) prices one byte of memory traffic saved by running an op low
-    against one byte cast: 0 (default) minimises cast bytes and uses traffic only to break
-    ties; 1 also runs an op low when the traffic it saves pays for its casts. ``free``: the
-    free reads, ``free_reads(graph, fixed)`` unless given.
+    against one byte cast: 0 (the options' default) minimises cast bytes and uses traffic
+    only to break ties; 1 also runs an op low when the traffic it saves pays for its casts.
+    ``free``: the free reads (``free_reads``).
     """
-    if free is None:
-        free = free_reads(graph, fixed)
     labels = dict(fixed)
     labels.update(settled_sources(graph, fixed, free))
     per_byte = traffic_weight(savings_weight)

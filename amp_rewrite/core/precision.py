@@ -14,9 +14,6 @@ class Precision(enum.Enum):
     # which the planner pays hundreds of thousands of times on a large model.
     __hash__ = object.__hash__
 
-    def other(self) -> Precision:
-        return Precision.LOW if self is Precision.HIGH else Precision.HIGH
-
 
 class OpClass(enum.Enum):
     """Rule-file classes (DESIGN §2). UNLISTED ops are treated as DENY and reported."""

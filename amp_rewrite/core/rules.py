@@ -109,9 +109,6 @@ class RuleSet:
     def entries(self) -> list[RuleEntry]:
         return sorted(self._entries.values(), key=lambda e: (e.op_class.value, e.op))
 
-    def ops(self, op_class: OpClass) -> set[str]:
-        return {e.op for e in self._entries.values() if e.op_class is op_class}
-
     def has_bounded_output(self, op_key: str) -> bool:
         """True when ``op_key``'s output is bounded: as deny it starts no deny propagation."""
         return op_key in self._bounded
@@ -137,9 +134,6 @@ class RuleSet:
         drop = set(ops)
         return RuleSet(self._entries.values(),
                        (e for e in self._bounded.values() if e.op not in drop), self.pins)
-
-    def __len__(self) -> int:
-        return len(self._entries)
 
 
 def default_rules_path(domain: str) -> Path:

@@ -24,7 +24,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTens
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from amp_rewrite.errors import CaptureError, UsageError
+from amp_rewrite.errors import CaptureError, UsageError, described
 
 log = logging.getLogger(__name__)
 
@@ -276,7 +276,7 @@ def _raise_export_failure(module: torch.nn.Module, args: tuple, kwargs: dict,
     eager_error = _eager_error(module, args, kwargs)
     if eager_error is not None:
         raise UsageError(f"example inputs do not fit {type(module).__name__}: "
-                         f"{_first_line(eager_error)}{_positional_landing(module, args)}"
+                         f"{described(eager_error)}{_positional_landing(module, args)}"
                          ) from error
     if "in output, which is not a known type" in str(error) and "Cache" in str(error):
         raise CaptureError(
@@ -286,7 +286,7 @@ def _raise_export_failure(module: torch.nn.Module, args: tuple, kwargs: dict,
     construct = _user_construct(error)
     if isinstance(error, DataDependentOutputException):
         raise CaptureError(f"torch.export cannot capture {type(module).__name__}: "
-                           f"{_first_line(error)} {construct}".rstrip()
+                           f"{described(error)} {construct}".rstrip()
                            + f"; {_DATA_DEPENDENT_FIX}") from error
     if isinstance(error, GuardOnDataDependentSymNode):
         raise CaptureError(
@@ -295,7 +295,7 @@ def _raise_export_failure(module: torch.nn.Module, args: tuple, kwargs: dict,
             "torch.cond, or pass capture='symbolic_trace' if the branch does not depend on "
             "inputs") from error
     raise CaptureError(
-        f"torch.export cannot capture {type(module).__name__}: {_first_line(error)} {construct}"
+        f"torch.export cannot capture {type(module).__name__}: {described(error)} {construct}"
         "(try capture='symbolic_trace', or fix the construct)") from error
 
 
@@ -320,11 +320,6 @@ def _location(path: str, line: object, func: str, code: str | None) -> str:
     return f"at {path}:{line} in {func} (`{(code or '').strip()}`) "
 
 
-def _first_line(error: Exception) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"
-
-
 def _symbolic_trace(module: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.GraphModule:
     versions = _state_versions(module)
     try:
@@ -337,7 +332,7 @@ def _symbolic_trace(module: torch.nn.Module, args: tuple, kwargs: dict) -> torch
     except Exception as e:  # noqa: BLE001 - Python code that needs real values, e.g. x[:n]
         raise CaptureError(
             f"torch.fx.symbolic_trace cannot capture {type(module).__name__}: "
-            f"{_first_line(e)} {_model_frame(e)}(the code needs concrete values, which "
+            f"{described(e)} {_model_frame(e)}(the code needs concrete values, which "
             "symbolic tracing does not have); use capture='export'") from e
     _refuse_eager_state_writes(module, versions)
     try:
@@ -354,7 +349,7 @@ def _symbolic_trace(module: torch.nn.Module, args: tuple, kwargs: dict) -> torch
 def _failed_construct(error: UsageError) -> str:
     node = getattr(error, "node", None)
     cause = error.__cause__
-    what = _first_line(cause) if cause is not None else str(error)
+    what = described(cause) if cause is not None else str(error)
     if node is None:
         return f"the traced graph fails where the module runs: {what}"
     data_dependent = isinstance(cause, (DataDependentOutputException,
@@ -433,7 +428,7 @@ def propagate_fake(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> None:
         with mode:
             prop.run(*flat, enable_io_processing=False)
     except Exception as e:  # noqa: BLE001 - shape/dtype errors mean the inputs do not fit
-        error = UsageError(f"example inputs do not fit the graph: {_first_line(e)}")
+        error = UsageError(f"example inputs do not fit the graph: {described(e)}")
         error.node = prop.current  # the failing node, for callers that know better
         raise error from e
 

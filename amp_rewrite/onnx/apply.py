@@ -189,8 +189,6 @@ def _small_initializers_converted(view: OnnxView,
     array, each as ``_convert`` would alone; empty where any overflows (then each is
     clamped alone). Also returns how many elements were converted."""
     small = view.small
-    if small is None:  # a view not built by build_view
-        return {}, 0
     picked = [(value, i) for value, node in sources
               if node is None and (i := small.index.get(value)) is not None]
     protos = joined_converted(small, [(v, i, v.const_value.raw.dims) for v, i in picked], low_ir)

@@ -266,17 +266,14 @@ def _staged(out: Path) -> Iterator[Path]:
         yield Path(tmp) / out.name
 
 
-def remove_stale_temp_dirs(directory: Path) -> list[Path]:
+def remove_stale_temp_dirs(directory: Path) -> None:
     """Remove temp dirs of ours whose process is gone (a run killed with SIGKILL)."""
-    removed = []
     with contextlib.suppress(OSError):
         for entry in Path(directory).iterdir():
             pid = _temp_dir_pid(entry)
             if pid is not None and not _process_alive(pid) and entry.is_dir():
                 shutil.rmtree(entry, ignore_errors=True)
-                removed.append(entry)
                 logger.info("removed %s, left by a killed run", entry)
-    return removed
 
 
 def _temp_dir_pid(entry: Path) -> int | None:
@@ -287,14 +284,12 @@ def _temp_dir_pid(entry: Path) -> int | None:
 
 
 def _process_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)  # signal 0: only the existence check
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's live process
-        return True
+        pass
     return True
 
 

@@ -43,6 +43,11 @@ class _OptimizerRecord:
     found_inf: torch.Tensor | None = None
 
 
+_STATE_DTYPES = {"scale": torch.float32, "growth_tracker": torch.int32,
+                 "hysteresis_tracker": torch.int32, "skipped_steps": torch.int64,
+                 "updates": torch.int64}
+
+
 def _positive_finite(name: str, value: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
@@ -155,17 +160,8 @@ class LossScaler:
     def _ensure_state(self, device: torch.device) -> dict[str, torch.Tensor]:
         if self._state is None:
             where = device if self._device is None else self._device
-            v = self._pending
-            self._state = {
-                "scale": torch.full((), v["scale"], dtype=torch.float32, device=where),
-                "growth_tracker": torch.full((), v["growth_tracker"], dtype=torch.int32,
-                                             device=where),
-                "hysteresis_tracker": torch.full((), v["hysteresis_tracker"], dtype=torch.int32,
-                                                 device=where),
-                "skipped_steps": torch.full((), v["skipped_steps"], dtype=torch.int64,
-                                            device=where),
-                "updates": torch.full((), v["updates"], dtype=torch.int64, device=where),
-            }
+            self._state = {key: torch.full((), self._pending[key], dtype=dtype, device=where)
+                           for key, dtype in _STATE_DTYPES.items()}
         return self._state
 
     def _record(self, optimizer: torch.optim.Optimizer) -> _OptimizerRecord:

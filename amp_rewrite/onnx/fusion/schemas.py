@@ -7,12 +7,9 @@ node's ports get the same treatment as a standard op's.
 from __future__ import annotations
 
 import functools
-import logging
 from dataclasses import dataclass
 
 import onnx
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -41,11 +38,8 @@ class RuntimeSchema:
 
 @functools.cache
 def _runtime_registry() -> dict[tuple[str, str], tuple[RuntimeSchema, ...]]:
-    try:
-        from onnxruntime.capi import onnxruntime_pybind11_state as ort_c
-    except ImportError:  # onnxruntime is optional for the rewrite itself
-        logger.info("onnxruntime not importable: contrib ops keep one port group")
-        return {}
+    from onnxruntime.capi import onnxruntime_pybind11_state as ort_c
+
     registry: dict[tuple[str, str], list[RuntimeSchema]] = {}
     for s in ort_c.get_all_operator_schema():
         if s.domain not in ("com.microsoft", ""):
