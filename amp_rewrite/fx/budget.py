@@ -23,6 +23,7 @@ import copy
 import logging
 import math
 import os
+import sys
 import time
 import warnings
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -428,11 +429,19 @@ def search_budget(prepared: torch.fx.GraphModule, lower: Lower, req: BudgetReque
             lower(gm, _reasons(pins, req.max_error))
         return reference.error(gm, req.search, req.kwargs)
 
-    def progress(done: int, error: float) -> None:
-        log.info("accuracy budget: plan %d measured, error %.3g", done, error)
+    from tqdm import tqdm
 
-    result = core_budget.search(units.values(), evaluate, req.max_error, estimate=estimate,
-                                max_evaluations=req.max_evaluations, progress=progress)
+    # a bar on a terminal (cleared when done), the plans in the log either way
+    with tqdm(total=req.max_evaluations, desc="amp_rewrite accuracy budget", unit="plan",
+              leave=False, disable=not sys.stderr.isatty()) as bar:
+        def progress(done: int, error: float) -> None:
+            log.info("accuracy budget: plan %d measured, error %.3g", done, error)
+            bar.update(done - bar.n)
+            bar.set_postfix_str(f"error {error:.3g}")
+
+        result = core_budget.search(units.values(), evaluate, req.max_error,
+                                    estimate=estimate, max_evaluations=req.max_evaluations,
+                                    progress=progress)
     default_held = (reference.error(default, req.held, req.kwargs, held=True)
                     if req.held else None)
     outcome = BudgetOutcome(req, result, list(units.values()), time.perf_counter() - start,
