@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import logging
 import warnings
-from pathlib import Path
 
 import torch
 
-from amp_rewrite.bench import zoo
+from amp_rewrite.bench import cli, zoo
 from amp_rewrite.fx import rewrite_graph
 from amp_rewrite.fx.budget import float_outputs, relative_error
 from amp_rewrite.fx.capture import capture
@@ -37,9 +35,7 @@ MODELS = ("bert", "gpt2", "llama", "vit", "t5")
 def calibration_batches(name: str, count: int, batch: int = 2) -> list[tuple]:
     """``count`` batches from the zoo's input generator, seeds 1..count (the model's own
     example inputs are seed 0)."""
-    spec = zoo._spec(name)
-    return [spec.inputs(torch.Generator().manual_seed(seed), batch)
-            for seed in range(1, count + 1)]
+    return zoo.input_batches(name, range(1, count + 1), batch)
 
 
 def _autocast_error(module: torch.nn.Module, dtype: torch.dtype, data: list[tuple]) -> float:
@@ -101,17 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--errors", nargs="+", type=float, default=[1e-2, 1e-3])
     parser.add_argument("--batches", type=int, default=3,
                         help="batches searched; as many more are held out")
-    parser.add_argument("--json", default=None, help="also write the rows to this file")
+    cli.add_json_argument(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     warnings.filterwarnings("ignore")
     rows = [r for name in args.models for r in measure(name, args.dtypes, args.errors,
                                                           args.batches)]
     print_table(rows)
-    if args.json:
-        out = Path(args.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(rows, indent=1))
+    cli.write_json(args.json, rows)
     return 0
 
 

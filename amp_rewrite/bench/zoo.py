@@ -24,7 +24,7 @@ import inspect
 import logging
 import os
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -659,6 +659,15 @@ def _dynamic_shapes(model: ZooModel) -> dict[str, dict[int, Any]]:
             dims.update({2: Dim.AUTO, 3: Dim.AUTO})
         shapes[name] = dims
     return shapes
+
+
+def input_batches(name: str, seeds: Iterable[int], batch: int = 2) -> list[tuple]:
+    """Positional inputs of zoo model ``name`` drawn from its input generator, one batch per
+    seed (``build`` draws the model's own example inputs with its ``seed``)."""
+    import torch
+
+    spec = _spec(name)
+    return [spec.inputs(torch.Generator().manual_seed(seed), batch) for seed in seeds]
 
 
 def export_onnx(

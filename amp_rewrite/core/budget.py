@@ -283,6 +283,32 @@ def rounded(x: float | None) -> float | str | None:
     return "inf" if math.isinf(x) else float(f"{x:.4g}")
 
 
+def pin_reason(result: BudgetResult, key: Hashable, option: str) -> str:
+    """Why the budget pinned ``key``, for ``explain`` (``option``: how the user spelled the
+    budget, ``--max-error 0.001`` or ``max_error=0.001``)."""
+    c = result.contributions.get(key)
+    how = "measured alone low" if result.measured else "estimated in the default plan"
+    amount = "" if c is None else f"; {how}, it adds {rounded(c)} to the output error"
+    return (f"pinned fp32 by the accuracy budget {option} (the plan measures "
+            f"{rounded(result.error)}, {rounded(result.start_error)} with this node and the "
+            f"budget's other pins low{amount})")
+
+
+def pinned_records(result: BudgetResult, units: Iterable[Unit]) -> list[dict]:
+    """The report's ``pinned_by_budget``: node (the unit key), contribution, FLOPs."""
+    weight = {u.key: u.weight for u in units}
+    return [{"node": k, "contribution": rounded(result.contributions.get(k)),
+             "flops": weight[k]} for k in result.pins]
+
+
+def pin_entries(result: BudgetResult, units: Iterable[Unit], reasons: Mapping[Hashable, str]
+                ) -> list[tuple[str, str, str]]:
+    """``rule_overlay`` entries for the pins: exact-name pattern, reason, measured comment."""
+    return [(fnmatch_literal(r["node"]), reasons[r["node"]],
+             f"contribution {r['contribution']}, {r['flops']:.4g} FLOPs")
+            for r in pinned_records(result, units)]
+
+
 def fnmatch_literal(name: str) -> str:
     """An fnmatch pattern matching exactly ``name`` (``[``, ``*``, ``?`` escaped)."""
     return "".join(f"[{c}]" if c in "[]*?" else c for c in name)

@@ -26,7 +26,7 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ from torch.fx import Node
 from amp_rewrite import arguments
 from amp_rewrite.core import Precision
 from amp_rewrite.core import budget as core_budget
+from amp_rewrite.core.budget import rounded
 from amp_rewrite.errors import UsageError
 from amp_rewrite.fx.capture import flat_inputs, normalize_inputs
 from amp_rewrite.fx.lowering import LOWERED_TAG
@@ -372,11 +373,11 @@ class BudgetOutcome:
 
     def report(self) -> dict:
         r = self.result
-        return {"max_error": r.budget, "reachable": r.reachable, "achieved": core_budget.rounded(r.error),
-                "held_out": core_budget.rounded(self.held_out_error),
-                "default_plan_error": core_budget.rounded(r.start_error),
-                "default_plan_held_out": core_budget.rounded(self.default_held_out),
-                "all_pinned_error": core_budget.rounded(r.floor_error),
+        return {"max_error": r.budget, "reachable": r.reachable, "achieved": rounded(r.error),
+                "held_out": rounded(self.held_out_error),
+                "default_plan_error": rounded(r.start_error),
+                "default_plan_held_out": rounded(self.default_held_out),
+                "all_pinned_error": rounded(r.floor_error),
                 "evaluations": r.evaluations, "seconds": round(self.seconds, 3),
                 "contributions": "measured" if r.measured else "estimated",
                 "low_flop_share": round(self.shares[0], 4),
@@ -386,22 +387,17 @@ class BudgetOutcome:
                                "fusion left out"}
 
     def pinned(self) -> list[dict]:
-        weight = {u.key: u.weight for u in self.units}
-        return [{"node": k, "contribution": core_budget.rounded(self.result.contributions.get(k)),
-                 "flops": weight[k]} for k in self.result.pins]
+        return core_budget.pinned_records(self.result, self.units)
 
     def write_rules(self, path: str | os.PathLike) -> Path:
         """A rule overlay whose ``[keep_fp32]`` table holds the pins: ``rules=[path]`` with
         the same other options and no max_error reproduces the plan (written atomically)."""
-        weight = {u.key: u.weight for u in self.units}
         r = self.result
-        entries = [(core_budget.fnmatch_literal(k), self.pins[k],
-                    f"contribution {core_budget.rounded(r.contributions.get(k))}, {weight[k]:.4g} FLOPs")
-                   for k in r.pins]
+        entries = core_budget.pin_entries(r, self.units, self.pins)
         header = [f"amp_rewrite.rewrite(max_error={r.budget:g}): rewriting with this overlay "
                   "(rules=[...]), the same other options and no max_error reproduces the plan",
-                  f"error {core_budget.rounded(r.error)} on {self.request.inputs}; "
-                  f"{core_budget.rounded(self.held_out_error)} on {self.request.held_out_inputs}; "
+                  f"error {rounded(r.error)} on {self.request.inputs}; "
+                  f"{rounded(self.held_out_error)} on {self.request.held_out_inputs}; "
                   f"{r.evaluations} evaluations"]
         from amp_rewrite.onnx.save import write_bytes_atomically
 
@@ -446,7 +442,8 @@ def search_budget(prepared: torch.fx.GraphModule, lower: Lower, req: BudgetReque
                     if req.held else None)
     outcome = BudgetOutcome(req, result, list(units.values()), time.perf_counter() - start,
                             default_held)
-    outcome.pins = {k: _pin_reason(result, k) for k in result.pins}
+    option = f"max_error={req.max_error:g}"
+    outcome.pins = {k: core_budget.pin_reason(result, k, option) for k in result.pins}
     outcome.weights = node_weights(amp, prepared)
     default_share = low_flop_share(amp, outcome.weights)
     outcome.shares = (default_share, default_share)  # the final plan's: ``finish``
@@ -455,12 +452,5 @@ def search_budget(prepared: torch.fx.GraphModule, lower: Lower, req: BudgetReque
 
 def _reasons(pins: frozenset, budget: float) -> dict[str, str]:
     return {k: f"{BUDGET_REASON} max_error={budget:g}" for k in pins}
-
-
-def _pin_reason(result: core_budget.BudgetResult, key: Hashable) -> str:
-    c = result.contributions.get(key)
-    how = "measured alone low" if result.measured else "estimated in the default plan"
-    amount = "" if c is None else f": {how}, it adds {core_budget.rounded(c)} to the output error"
-    return f"{BUDGET_REASON} max_error={result.budget:g}{amount}"
 
 

@@ -24,7 +24,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
@@ -33,6 +33,7 @@ import onnx_ir as ir
 
 from amp_rewrite.core import LowDtype, Precision
 from amp_rewrite.core import budget as core_budget
+from amp_rewrite.core.budget import rounded
 from amp_rewrite.errors import UsageError
 from amp_rewrite.onnx import validate
 
@@ -54,7 +55,6 @@ class BudgetOutcome:
     held_out_error: float
     default_held_out_error: float
     seconds: float
-    names: dict = field(default_factory=dict)  # unit key -> node name
     relax: Relaxed | None = None  # fp32 nodes run low where the default plan had slack
     fp32: onnx.ModelProto | None = None  # the FP32 model and held-out inputs, for the
     held_feeds: dict | None = None  # rewritten model's own check (api._held_out_on_runtime)
@@ -67,11 +67,11 @@ class BudgetOutcome:
     def report(self) -> dict:
         r, x = self.result, self.relax
         return {"max_error": r.budget, "reachable": r.reachable,
-                "achieved": core_budget.rounded(x.result.error if x else r.error),
-                "held_out": core_budget.rounded(self.held_out_error),
-                "default_plan_error": core_budget.rounded(r.start_error),
-                "default_plan_held_out": core_budget.rounded(self.default_held_out_error),
-                "all_pinned_error": core_budget.rounded(r.floor_error),
+                "achieved": rounded(x.result.error if x else r.error),
+                "held_out": rounded(self.held_out_error),
+                "default_plan_error": rounded(r.start_error),
+                "default_plan_held_out": rounded(self.default_held_out_error),
+                "all_pinned_error": rounded(r.floor_error),
                 "evaluations": r.evaluations + (x.result.evaluations if x else 0),
                 "seconds": round(self.seconds, 3),
                 "contributions": "measured" if r.measured else "estimated",
@@ -81,9 +81,7 @@ class BudgetOutcome:
                 "emulation": "onnxruntime float32 kernels, every low input and output rounded"}
 
     def pinned(self) -> list[dict]:
-        weight = {u.key: u.weight for u in self.units}
-        return [{"node": self.names[k], "contribution": core_budget.rounded(self.result.contributions.get(k)),
-                 "flops": weight[k]} for k in self.result.pins]
+        return core_budget.pinned_records(self.result, self.units)
 
     def lowered_nodes(self) -> list[dict]:
         if not self.relax:
@@ -316,8 +314,8 @@ def search_budget(pass_, model: ir.Model, max_error: float, search_feeds: dict,
     fp32 = dict(zip(fetch, emulator.run(search_feeds, None, fetch)))
     reference = [fp32[name] for name in emulator.outputs]
     shapes = _shapes(emulator, search_feeds, fp32)
-    units, unit_groups, names = _units(pass_, default, emulator, shapes)
-    unit_list = _peaks(list(units.values()), emulator, fp32, names)
+    units, unit_groups = _units(pass_, default, emulator, shapes)
+    unit_list = _peaks(list(units.values()), emulator, fp32)
 
     def plan_of(pins: frozenset):
         extra = {g: "pinned fp32 by the accuracy budget" for k in pins for g in unit_groups[k]}
@@ -330,7 +328,7 @@ def search_budget(pass_, model: ir.Model, max_error: float, search_feeds: dict,
         """One run of the default plan with the overflowing units pinned (module docstring)."""
         overflowing = _overflowing(unit_list, emulator)
         return _scores(unit_list, emulator, search_feeds, fp32,
-                       plan_of(frozenset(overflowing)), names, overflowing)
+                       plan_of(frozenset(overflowing)), overflowing)
 
     result = core_budget.search(unit_list, evaluate, max_error, estimate=estimate,
                                 max_evaluations=max_evaluations, progress=progress)
@@ -345,11 +343,12 @@ def search_budget(pass_, model: ir.Model, max_error: float, search_feeds: dict,
         logger.warning("accuracy budget: the plan's error on held-out inputs is %.3g, above "
                        "--max-error %g (%.3g on the inputs searched); pass more varied "
                        "--calibrate data", held, max_error, result.error)
-    pins = {names[k]: _pin_reason(result, k) for k in result.pins}
+    option = f"--max-error {max_error:g}"
+    pins = {k: core_budget.pin_reason(result, k, option) for k in result.pins}
     shares = (low_flop_share(pass_, final, emulator, shapes),
               low_flop_share(pass_, default, emulator, shapes))
     return BudgetOutcome(pins, result, unit_list, inputs, held_out_inputs, held,
-                         held_default, time.perf_counter() - start, names, relax=relax,
+                         held_default, time.perf_counter() - start, relax=relax,
                          shares=shares)
 
 
@@ -401,7 +400,7 @@ def _relax(pass_, default, emulator, feeds, reference, shapes, max_error: float,
                                 progress=shown)
     kept = set(result.pins) if result.reachable else set(groups)
     lowered = {name: (f"run low by the accuracy budget --max-error {max_error:g} (the plan "
-                      f"measures {core_budget.rounded(result.error)}; the rules kept it fp32: "
+                      f"measures {rounded(result.error)}; the rules kept it fp32: "
                       f"{default.decisions[groups[name][0]].reason})")
                for name in groups if name not in kept}
     return Relaxed(result, units, lowered, plan_of(frozenset(kept)))
@@ -413,7 +412,7 @@ def _relax_candidates(pass_, default, emulator) -> dict[str, list]:
     headroom below the range that the measurement can give back; deny propagation is kept:
     it encodes what inputs the data may not show (an all-masked row, a larger exp input),
     and its ops are light."""
-    calibrated = set(pass_._pins())
+    calibrated = set(pass_.option_pins[0])
     duplicated = _duplicate_names(pass_)
     groups: dict[str, list] = {}
     for key, (node, _) in pass_.view.groups.items():
@@ -443,17 +442,8 @@ def _warn_unmeasured_bodies(pass_, default, emulator: Emulator) -> None:
                        len(hidden))
 
 
-def _pin_reason(result: core_budget.BudgetResult, key) -> str:
-    c = result.contributions.get(key)
-    how = "measured alone low" if result.measured else "estimated in the default plan"
-    amount = "" if c is None else f"; {how}, it adds {core_budget.rounded(c)} to the output error"
-    return (f"pinned fp32 by the accuracy budget --max-error {result.budget:g} (the plan "
-            f"measures {core_budget.rounded(result.error)}, {core_budget.rounded(result.start_error)} with this node "
-            f"and the budget's other pins low{amount})")
-
-
-def _units(pass_, default, emulator: Emulator, shapes) -> tuple[dict, dict, dict]:
-    """(node name -> Unit, node name -> its group keys, name -> name) for the main-graph
+def _units(pass_, default, emulator: Emulator, shapes) -> tuple[dict, dict]:
+    """(node name -> Unit, node name -> its group keys) for the main-graph
     nodes the default plan runs low by the rules' choice; FLOPs from one FP32 run."""
     graph = pass_.view.graph
     groups: dict[str, list] = {}
@@ -467,7 +457,7 @@ def _units(pass_, default, emulator: Emulator, shapes) -> tuple[dict, dict, dict
     duplicated = _duplicate_names(pass_)
     names_ = sorted(low - duplicated)
     units = {name: core_budget.Unit(name, _weight(emulator, name, shapes)) for name in names_}
-    return units, {n: groups[n] for n in names_}, {n: n for n in names_}
+    return units, {n: groups[n] for n in names_}
 
 
 def _duplicate_names(pass_) -> set[str]:
@@ -488,7 +478,7 @@ def _shapes(emulator: Emulator, feeds, fp32: Mapping[str, np.ndarray]) -> dict[s
     return shapes
 
 
-def _peaks(units: list, emulator: Emulator, fp32: Mapping[str, np.ndarray], names) -> list:
+def _peaks(units: list, emulator: Emulator, fp32: Mapping[str, np.ndarray]) -> list:
     """The units with ``peak``: the largest finite |x| of their float inputs and outputs in
     the FP32 run (weights aside: the range screen has judged them)."""
     peaks: dict[str, float] = {}
@@ -504,7 +494,7 @@ def _peaks(units: list, emulator: Emulator, fp32: Mapping[str, np.ndarray], name
 
     out = []
     for unit in units:
-        ins, outs, _ = emulator.node_io[names[unit.key]]
+        ins, outs, _ = emulator.node_io[unit.key]
         top = max((peak(v) for v in (*ins, *outs) if v), default=0.0)
         out.append(dataclasses.replace(unit, peak=top))
     return out
@@ -520,7 +510,7 @@ def _overflowing(units: list, emulator: Emulator) -> set:
 
 
 def _scores(units: list, emulator: Emulator, feeds, fp32: Mapping[str, np.ndarray], plan,
-            names, overflowing: set) -> dict:
+            overflowing: set) -> dict:
     """Each unit's injected error in ``plan`` (the default plan with the overflowing units
     pinned): max relative error of its outputs less that of its inputs, both against the
     FP32 run, by unit key; for a node writing a graph output, its output's error; an
@@ -546,7 +536,7 @@ def _scores(units: list, emulator: Emulator, feeds, fp32: Mapping[str, np.ndarra
         if unit.key in overflowing:
             scores[unit.key] = math.inf
             continue
-        ins, outs, _ = emulator.node_io[names[unit.key]]
+        ins, outs, _ = emulator.node_io[unit.key]
         out_err = max((rel(v) for v in outs), default=0.0)
         # an output's own rounding reaches the graph output whole: no input error to deduct
         in_err = 0.0 if graph_outputs & set(outs) else max((rel(v) for v in ins if v),
@@ -563,11 +553,8 @@ def write_rule_overlay(path, pass_, outcome: BudgetOutcome, options) -> None:
     budget's pins, the nodes calibration pinned and the ``--keep-fp32`` patterns given."""
     from amp_rewrite.onnx.save import write_bytes_atomically
 
-    weight = {u.key: u.weight for u in outcome.units}
     r = outcome.result
-    entries = [(core_budget.fnmatch_literal(outcome.names[k]), outcome.pins[outcome.names[k]],
-                f"contribution {core_budget.rounded(r.contributions.get(k))}, {weight[k]:.4g} FLOPs")
-               for k in r.pins]
+    entries = core_budget.pin_entries(r, outcome.units, outcome.pins)
     calibrated = sorted({pass_.view.graph.group(k).name
                          for k, d in pass_.plan.decisions.items()
                          if d.fixed and d.reason.startswith("calibration saw")} - {""})
@@ -577,6 +564,6 @@ def write_rule_overlay(path, pass_, outcome: BudgetOutcome, options) -> None:
     low = [(core_budget.fnmatch_literal(n), why, "") for n, why in sorted(outcome.lowered.items())]
     header = [f"amp-rewrite --max-error {r.budget:g}: rewriting with this overlay (--rules) and "
               "no --max-error reproduces the plan",
-              f"error {core_budget.rounded(r.error)} on {outcome.inputs}; {core_budget.rounded(outcome.held_out_error)} "
+              f"error {rounded(r.error)} on {outcome.inputs}; {rounded(outcome.held_out_error)} "
               f"held out; {r.evaluations} evaluations"]
     write_bytes_atomically(path, core_budget.rule_overlay(entries, header, low).encode("utf-8"))

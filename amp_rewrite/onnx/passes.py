@@ -69,6 +69,8 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
         self.pad_stats: PadStats | None = None
         self.fusion: FusionPass | None = None
         self.low_io: dict = {}
+        # (group key -> reason) fixed high, and fixed low, by the options (``prepare``)
+        self.option_pins: tuple[dict, dict] = ({}, {})
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         self.prepare(model)
@@ -98,16 +100,19 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
                                inferred_sizes=self.info.inferred_sizes)
         if self.options.low_io:
             self.low_io = low_io_report(model, self.options.low_io)
+        # once per view: the accuracy-budget search re-plans with them many times
+        self.option_pins = (self._pins(), {
+            k: self.options.budget_low[node.name] for k, (node, _) in self.view.groups.items()
+            if node.name in self.options.budget_low})
         return self.view
 
     def plan_view(self, extra_pins: Mapping | None = None,
                   low_pins: Mapping | None = None) -> PrecisionPlan:
         """The plan of the prepared view; ``extra_pins`` / ``low_pins``: group key -> reason,
         fixed high / low besides the options' (the accuracy-budget search re-plans with them)."""
-        low = {k: self.options.budget_low[node.name] for k, (node, _) in self.view.groups.items()
-               if node.name in self.options.budget_low}
+        pins, low = self.option_pins
         return plan_precision(self.view.graph, self.rules, keep_fp32=self.options.keep_fp32,
-                              pins={**self._pins(), **(extra_pins or {})},
+                              pins={**pins, **(extra_pins or {})},
                               low_pins={**low, **(low_pins or {})},
                               savings_weight=self.options.savings_weight,
                               wide_values=self.view.wide_values)

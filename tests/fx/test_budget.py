@@ -21,8 +21,7 @@ SEEDS = range(1, 7)  # three batches searched, three held out
 
 
 def batches(name: str, seeds=SEEDS, batch: int = 2) -> list[tuple]:
-    spec = zoo._spec(name)
-    return [spec.inputs(torch.Generator().manual_seed(s), batch) for s in seeds]
+    return zoo.input_batches(name, seeds, batch)
 
 
 def error_vs_fp32(module, gm, data) -> float:
