@@ -31,10 +31,10 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from amp_rewrite import arguments
 from amp_rewrite.core import LowDtype, Precision
 from amp_rewrite.core import budget as core_budget
 from amp_rewrite.core.budget import rounded
-from amp_rewrite.errors import UsageError
 from amp_rewrite.onnx import validate
 
 logger = logging.getLogger(__name__)
@@ -301,10 +301,8 @@ def search_budget(pass_, model: ir.Model, max_error: float, search_feeds: dict,
                   progress: Callable[[int, float], None] | None = None) -> BudgetOutcome:
     """Search the pins of ``pass_`` (an OnnxOptions pass not yet run) on ``model`` (an FP32
     copy it may fuse and instrument) for ``max_error`` (module docstring)."""
-    if not (max_error >= 0 and math.isfinite(max_error)):
-        raise UsageError(f"max_error must be a relative error >= 0, got {max_error}")
-    if max_evaluations < 2:
-        raise UsageError(f"max_evaluations must be at least 2, got {max_evaluations}")
+    max_error = arguments.max_error(max_error)
+    arguments.max_evaluations(max_evaluations)
     start = time.perf_counter()
     pass_.prepare(model)
     default = pass_.plan_view()
