@@ -96,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
                    "tag": args.tag}
             rows.append(row)
             out.write_text(json.dumps(rows, indent=1))
+            if args.compile:  # every variant's _Logits shares one code object: fresh guards
+                torch._dynamo.reset()
             print(f"{name} {variant} {args.tag}: wall {row['wall_ms']:.2f} ms, device busy "
                   f"{row['device_busy_ms']:.2f} ms, {row['kernels_per_step']:.0f} kernels/step"
                   f"{' (compiled)' if args.compile else ''}")
