@@ -46,6 +46,17 @@ _CPU_CONVERTS_INPUT = frozenset({"softmax", "log_softmax"})
 _CPU_MIXED_NORMS = frozenset({"layer_norm", "group_norm"})
 
 
+def _wide_integer_source(node: Node) -> torch.dtype | None:
+    """The dtype of a conversion's integer input wider than 8 bits (8-bit integers are exact in
+    bf16 and fp16), else None."""
+    source = node.args[0] if node.args else None
+    val = source.meta.get("val") if isinstance(source, Node) else None
+    if not isinstance(val, torch.Tensor) or val.dtype.is_floating_point or val.dtype.is_complex \
+            or val.dtype == torch.bool or val.dtype.itemsize == 1:
+        return None
+    return val.dtype
+
+
 @dataclass(frozen=True)
 class Port:
     """One floating tensor argument of a node: where it sits and which value it reads."""
@@ -247,6 +258,13 @@ class _Builder:
                 # The model computed this in fp32 on purpose and a reader needs it so: a deny
                 # source, so that gray math after it (a residual add) stays fp32 too.
                 out.fix(Precision.HIGH, self.kept_conversions[node])
+                out.op_class = OpClass.DENY
+            elif dtype == torch.float32 and (source := _wide_integer_source(node)) is not None:
+                # Positions and timesteps: rounded here, the angles read from them would be
+                # wrong; a deny source, so the gray math up to cos/sin stays fp32 too.
+                out.fix(Precision.HIGH, f"{key} converts {source} integers (positions, "
+                                        "timesteps): above 256 they are not exact in bf16, "
+                                        "above 2048 not in fp16")
                 out.op_class = OpClass.DENY
             elif not (key in opkeys.RETYPABLE and dtype == torch.float32):
                 out.fix(self.precisions[dtype],

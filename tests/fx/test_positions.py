@@ -1,0 +1,98 @@
+"""Angles built from positions (RoPE, sinusoidal timestep embeddings) stay fp32 up to their
+cos/sin, whose bounded outputs then go low: ``cos``/``sin`` are deny with a bounded output.
+
+At position 3000 a bf16 angle is off by up to 6 rad, so a plan that lowers ``positions ·
+frequency`` rotates queries and keys at random; the references here are FP32 and autocast's
+error on the same inputs."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import amp_rewrite
+
+transformers = pytest.importorskip("transformers")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class _Llama(nn.Module):
+    """A tiny Llama called with explicit position ids (a decode step deep into a context),
+    queries and keys scaled up so that attention is sharp and follows the rotation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        cfg = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, intermediate_size=128,
+                                       vocab_size=128, max_position_embeddings=8192,
+                                       use_cache=False)
+        self.model = transformers.LlamaForCausalLM(cfg)
+        with torch.no_grad():
+            for layer in self.model.model.layers:
+                layer.self_attn.q_proj.weight.mul_(8)
+                layer.self_attn.k_proj.weight.mul_(8)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, position_ids=positions, return_dict=False)[0]
+
+
+class _TimestepEmbedding(nn.Module):
+    """Diffusion models' sinusoidal embedding of integer timesteps, then a linear layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.register_buffer("freqs", torch.exp(-torch.arange(32) * (9.2 / 32)))
+        self.proj = nn.Linear(64, 64)
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        angles = t.float()[:, None] * self.freqs[None]
+        return self.proj(torch.cat([angles.cos(), angles.sin()], dim=-1))
+
+
+def _error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref).abs().max() / ref.abs().max()).item()
+
+
+def _autocast_error(module: nn.Module, inputs: tuple, dtype: torch.dtype,
+                    ref: torch.Tensor) -> float:
+    with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+        return _error(module(*inputs), ref)
+
+
+def _llama_case() -> tuple[nn.Module, tuple]:
+    ids = torch.randint(0, 128, (1, 32), generator=torch.Generator().manual_seed(1))
+    return _Llama().eval(), (ids, 3000 + torch.arange(32)[None])
+
+
+def _timestep_case() -> tuple[nn.Module, tuple]:
+    return _TimestepEmbedding().eval(), (torch.tensor([0, 17, 500, 999, 2999]),)
+
+
+@pytest.mark.parametrize("case", [_llama_case, _timestep_case], ids=["llama", "timesteps"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_position_angles_within_autocasts_error(case, dtype: str) -> None:
+    module, inputs = case()
+    with torch.no_grad():
+        ref = module(*inputs)
+    bound = 1.5 * _autocast_error(module, inputs, DTYPES[dtype], ref)
+    rewritten = amp_rewrite.rewrite(copy.deepcopy(module), inputs, dtype=dtype)
+    with torch.no_grad():
+        err = _error(rewritten(*inputs), ref)
+    assert err <= bound, (err, bound)
+    # the angles (positions · frequencies, the graph's first mul) and their cos run fp32
+    assert amp_rewrite.explain(rewritten, "mul")[0].startswith("mul (mul/T): high")
+    assert amp_rewrite.explain(rewritten, "cos")[0].startswith("cos (cos/T): high — deny")
+
+
+def test_backend_keeps_rope_angles_fp32() -> None:
+    module, inputs = _llama_case()
+    with torch.no_grad():
+        ref = module(*inputs)
+        compiled = amp_rewrite.compile(copy.deepcopy(module), dtype="bf16", inner="eager")
+        err = _error(compiled(*inputs), ref)
+    assert err <= 1.5 * _autocast_error(module, inputs, torch.bfloat16, ref)
+    assert any("deny" in line for line in amp_rewrite.explain(compiled, "cos"))
