@@ -38,6 +38,7 @@ import torch.nn.functional as F  # noqa: N812
 
 import amp_rewrite
 from amp_rewrite.bench.gpu_training import _Logits, measure
+from amp_rewrite.bench.timing import rows_in_fresh_process
 from amp_rewrite.training import AmpOptimizer
 
 MODELS = ("llama", "gpt2")
@@ -178,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny configs (smoke test)")
     parser.add_argument("--json", type=Path, metavar="FILE", help="write the rows here")
+    parser.add_argument("--same-process", action="store_true",
+                        help="measure every variant in this process (default: each in a "
+                             "fresh one, so that no variant inherits another's state)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -187,10 +191,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'model':6} {'variant':24} {'step ms':>9} {'vs bf16':>7} {'peak MiB':>9} "
           f"{'loss0':>9}  GEMMs")
     for name in args.models:
-        module, ids = build(name, args.tiny, device)
+        module, ids = build(name, args.tiny, device) if args.same_process else (None, None)
         base = None
         for variant in args.variants:
-            row = run_variant(name, variant, module, ids, args)
+            if args.same_process:
+                row = run_variant(name, variant, module, ids, args)
+            else:
+                row, = rows_in_fresh_process(
+                    ["fp8", "--same-process", "--models", name, "--variants", variant,
+                     "--steps", str(args.steps), "--warmup", str(args.warmup),
+                     "--device", args.device, *(["--tiny"] if args.tiny else [])],
+                    {"model": name, "variant": variant})
             rows.append(row)
             if variant == "bf16_rewrite" and "ms" in row:
                 base = row["ms"]

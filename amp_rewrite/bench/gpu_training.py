@@ -55,6 +55,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 import amp_rewrite
+from amp_rewrite.bench.timing import rows_in_fresh_process
 from amp_rewrite.training import AmpOptimizer
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -288,11 +289,27 @@ def run_all(args: argparse.Namespace, device: torch.device) -> list[dict]:
     rows = []
     compiles = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
     for name in args.models:
-        work = build(name, args.tiny, device)
+        work = build(name, args.tiny, device) if args.same_process else None
         for compile_ in compiles:
             for variant in args.variants:
-                rows.extend(_run_variant(args, work, variant, compile_, device))
+                if args.same_process:
+                    rows.extend(_run_variant(args, work, variant, compile_, device))
+                else:
+                    rows.extend(_run_in_fresh_process(args, name, variant, compile_))
                 _save(out, [*earlier, *rows], args, device)
+    return rows
+
+
+def _run_in_fresh_process(args: argparse.Namespace, name: str, variant: str,
+                          compile_: bool) -> list[dict]:
+    argv = ["gpu", "train", "--same-process", "--models", name, "--variants", variant,
+            "--compile", "on" if compile_ else "off", "--dtype", args.dtype,
+            "--phases", *args.phases, "--steps", str(args.steps), "--warmup",
+            str(args.warmup), "--device", args.device, *(["--tiny"] if args.tiny else [])]
+    head = {"model": name, "variant": variant, "compile": compile_, "dtype": args.dtype}
+    rows = rows_in_fresh_process(argv, head)
+    for row in rows:
+        print(_format(row), flush=True)
     return rows
 
 
@@ -384,6 +401,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--tiny", action="store_true", help="tiny configs (smoke test)")
     parser.add_argument("--json", default="results/bench_gpu_training.json")
+    parser.add_argument("--same-process", action="store_true",
+                        help="measure every variant in this process (default: each in a "
+                             "fresh one, so that no variant inherits another's state)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("CUDA is not available: this benchmark needs a GPU; nothing was measured.")

@@ -1,5 +1,10 @@
 """Timing shared by the benchmarks: the host probe and round-robin repeats.
 
+A training-step benchmark runs each variant in a fresh interpreter (:func:`rows_in_fresh_process`):
+on an H200 the second compiled variant measured in one process took up to 1.5x the time it
+took when measured first (state left by the first one: compile workers, allocator, dynamo),
+which made the order of ``--variants`` decide the comparison.
+
 The shared host's speed varies up to 2x over minutes. Converters are therefore compared
 within one round (each round times every candidate once, in turn, so a drift hits all of
 them alike), and every round starts with :func:`host_probe`, a fixed pure-Python loop whose
@@ -7,9 +12,13 @@ time says how fast the host was for that round.
 """
 from __future__ import annotations
 
+import json
 import platform
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -54,3 +63,18 @@ def machine() -> dict[str, str]:
     """What ran the benchmark, for its JSON."""
     return {"python": sys.version.split()[0], "machine": platform.platform(),
             "processor": platform.processor() or platform.machine()}
+
+
+def rows_in_fresh_process(argv: list[str], head: dict) -> list[dict]:
+    """The JSON rows of ``python -m amp_rewrite.bench *argv --json TMP`` run in a fresh
+    interpreter (its output passes through); one row ``{**head, "error": ...}`` if it
+    wrote none."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rows.json"
+        done = subprocess.run([sys.executable, "-m", "amp_rewrite.bench", *argv,
+                               "--json", str(out)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, check=False)
+        if out.exists():
+            return json.loads(out.read_text())["rows"]
+    last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+    return [{**head, "error": f"the fresh process failed: {last[:300]}"}]

@@ -37,7 +37,7 @@ def test_gpu_benchmark_code_runs_on_cpu_with_tiny_configs(tmp_path):
     tool = _load("gpu_training")
     assert tool.main(["--device", "cpu", "--tiny", "--compile", "off", "--models", "mlp_odd",
                       "--phases", "train", "forward", "--steps", "1", "--warmup", "1",
-                      "--json", str(out)]) == 0
+                      "--same-process", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     eager = [v for v in tool.VARIANTS if v not in tool.BACKEND_VARIANTS]  # backend: compiled
     assert [(r["variant"], r["phase"]) for r in rows] == [
@@ -46,3 +46,17 @@ def test_gpu_benchmark_code_runs_on_cpu_with_tiny_configs(tmp_path):
     # same weights, same data, no dropout: every variant starts from FP32's loss
     losses = [r["loss0"] for r in rows if r["phase"] == "train"]
     assert max(abs(loss - losses[0]) for loss in losses) <= 1e-2 * abs(losses[0])
+
+
+def test_gpu_benchmark_measures_each_variant_in_a_fresh_process(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    tool = _load("gpu_training")
+    assert tool.main(["--device", "cpu", "--tiny", "--compile", "off", "--models", "mlp_odd",
+                      "--variants", "fp32", "amp_rewrite", "--steps", "1", "--warmup", "1",
+                      "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["fp32", "amp_rewrite"]
+    assert all(r["ms"] > 0 and "error" not in r for r in rows)
+    assert abs(rows[1]["loss0"] - rows[0]["loss0"]) <= 1e-2 * abs(rows[0]["loss0"])
+    printed = capsys.readouterr().out
+    assert "mlp_odd   fp32" in printed and "mlp_odd   amp_rewrite" in printed
