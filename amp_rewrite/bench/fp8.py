@@ -38,7 +38,7 @@ import torch.nn.functional as F  # noqa: N812
 
 import amp_rewrite
 from amp_rewrite.bench.gpu_training import _Logits, measure
-from amp_rewrite.bench.timing import rows_in_fresh_process
+from amp_rewrite.bench.timing import add_same_process_flag, rows_in_fresh_process
 from amp_rewrite.training import AmpOptimizer
 
 MODELS = ("llama", "gpt2")
@@ -179,9 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny configs (smoke test)")
     parser.add_argument("--json", type=Path, metavar="FILE", help="write the rows here")
-    parser.add_argument("--same-process", action="store_true",
-                        help="measure every variant in this process (default: each in a "
-                             "fresh one, so that no variant inherits another's state)")
+    add_same_process_flag(parser)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

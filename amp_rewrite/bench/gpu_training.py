@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 import amp_rewrite
-from amp_rewrite.bench.timing import rows_in_fresh_process
+from amp_rewrite.bench.timing import add_same_process_flag, rows_in_fresh_process
 from amp_rewrite.training import AmpOptimizer
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -401,9 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--tiny", action="store_true", help="tiny configs (smoke test)")
     parser.add_argument("--json", default="results/bench_gpu_training.json")
-    parser.add_argument("--same-process", action="store_true",
-                        help="measure every variant in this process (default: each in a "
-                             "fresh one, so that no variant inherits another's state)")
+    add_same_process_flag(parser)
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("CUDA is not available: this benchmark needs a GPU; nothing was measured.")

@@ -1,9 +1,8 @@
 """Timing shared by the benchmarks: the host probe and round-robin repeats.
 
-A training-step benchmark runs each variant in a fresh interpreter (:func:`rows_in_fresh_process`):
-on an H200 the second compiled variant measured in one process took up to 1.5x the time it
-took when measured first (state left by the first one: compile workers, allocator, dynamo),
-which made the order of ``--variants`` decide the comparison.
+Training-step benchmarks run each variant in a fresh interpreter (:func:`rows_in_fresh_process`):
+a compiled variant measured after another one in the same process can be much slower
+(benchmarks §7c), which would let the order of ``--variants`` decide a comparison.
 
 The shared host's speed varies up to 2x over minutes. Converters are therefore compared
 within one round (each round times every candidate once, in turn, so a drift hits all of
@@ -12,14 +11,15 @@ time says how fast the host was for that round.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 PROBE_ITERATIONS = 10_000_000
@@ -67,8 +67,8 @@ def machine() -> dict[str, str]:
 
 def rows_in_fresh_process(argv: list[str], head: dict) -> list[dict]:
     """The JSON rows of ``python -m amp_rewrite.bench *argv --json TMP`` run in a fresh
-    interpreter (its output passes through); one row ``{**head, "error": ...}`` if it
-    wrote none."""
+    interpreter (its printed table is dropped); one row ``{**head, "error": ...}`` naming the
+    last line of its stderr if it wrote none."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
         done = subprocess.run([sys.executable, "-m", "amp_rewrite.bench", *argv,
@@ -78,3 +78,11 @@ def rows_in_fresh_process(argv: list[str], head: dict) -> list[dict]:
             return json.loads(out.read_text())["rows"]
     last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
     return [{**head, "error": f"the fresh process failed: {last[:300]}"}]
+
+
+def add_same_process_flag(parser: argparse.ArgumentParser) -> None:
+    """``--same-process``: the opt-out of :func:`rows_in_fresh_process` (the fresh process
+    itself runs with it)."""
+    parser.add_argument("--same-process", action="store_true",
+                        help="measure every variant in this process (default: each in a "
+                             "fresh one, so that no variant inherits another's state)")
