@@ -18,22 +18,35 @@ transformers = pytest.importorskip("transformers")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class _Llama(nn.Module):
-    """A tiny Llama called with explicit position ids (a decode step deep into a context),
+# RoPE families as transformers builds them (name -> config, model, extra config)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"num_key_value_heads": 2}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"num_key_value_heads": 2}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {}),
+    "olmo": ("OlmoConfig", "OlmoForCausalLM", {"pad_token_id": 0}),
+}
+_QK_WEIGHTS = ("q_proj.weight", "k_proj.weight", "query_key_value.weight", "qkv_proj.weight")
+
+
+class _Decoder(nn.Module):
+    """A tiny decoder called with explicit position ids (a decode step deep into a context),
     queries and keys scaled up so that attention is sharp and follows the rotation."""
 
-    def __init__(self) -> None:
+    def __init__(self, family: str = "llama") -> None:
         super().__init__()
         torch.manual_seed(0)
-        cfg = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2,
-                                       num_attention_heads=4, intermediate_size=128,
-                                       vocab_size=128, max_position_embeddings=8192,
-                                       use_cache=False)
-        self.model = transformers.LlamaForCausalLM(cfg)
+        config, model, extra = FAMILIES[family]
+        cfg = getattr(transformers, config)(hidden_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, intermediate_size=128,
+                                            vocab_size=128, max_position_embeddings=8192,
+                                            use_cache=False, **extra)
+        self.model = getattr(transformers, model)(cfg)
         with torch.no_grad():
-            for layer in self.model.model.layers:
-                layer.self_attn.q_proj.weight.mul_(8)
-                layer.self_attn.k_proj.weight.mul_(8)
+            for name, weight in self.model.named_parameters():
+                if name.endswith(_QK_WEIGHTS):
+                    weight.mul_(8)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=ids, position_ids=positions, return_dict=False)[0]
@@ -63,19 +76,17 @@ def _autocast_error(module: nn.Module, inputs: tuple, dtype: torch.dtype,
         return _error(module(*inputs), ref)
 
 
-def _llama_case() -> tuple[nn.Module, tuple]:
+def _decoder_case(family: str = "llama") -> tuple[nn.Module, tuple]:
     ids = torch.randint(0, 128, (1, 32), generator=torch.Generator().manual_seed(1))
-    return _Llama().eval(), (ids, 3000 + torch.arange(32)[None])
+    return _Decoder(family).eval(), (ids, 3000 + torch.arange(32)[None])
 
 
 def _timestep_case() -> tuple[nn.Module, tuple]:
     return _TimestepEmbedding().eval(), (torch.tensor([0, 17, 500, 999, 2999]),)
 
 
-@pytest.mark.parametrize("case", [_llama_case, _timestep_case], ids=["llama", "timesteps"])
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_position_angles_within_autocasts_error(case, dtype: str) -> None:
-    module, inputs = case()
+def _rewritten_within_autocasts_error(module: nn.Module, inputs: tuple,
+                                      dtype: str) -> torch.fx.GraphModule:
     with torch.no_grad():
         ref = module(*inputs)
     bound = 1.5 * _autocast_error(module, inputs, DTYPES[dtype], ref)
@@ -83,16 +94,29 @@ def test_position_angles_within_autocasts_error(case, dtype: str) -> None:
     with torch.no_grad():
         err = _error(rewritten(*inputs), ref)
     assert err <= bound, (err, bound)
+    return rewritten
+
+
+@pytest.mark.parametrize("case", [_decoder_case, _timestep_case], ids=["llama", "timesteps"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_position_angles_within_autocasts_error(case, dtype: str) -> None:
+    rewritten = _rewritten_within_autocasts_error(*case(), dtype)
     # the angles (positions · frequencies, the graph's first mul) and their cos run fp32
     assert amp_rewrite.explain(rewritten, "mul")[0].startswith("mul (mul/T): high")
     assert amp_rewrite.explain(rewritten, "cos")[0].startswith("cos (cos/T): high — deny")
 
 
 def test_backend_keeps_rope_angles_fp32() -> None:
-    module, inputs = _llama_case()
+    module, inputs = _decoder_case()
     with torch.no_grad():
         ref = module(*inputs)
         compiled = amp_rewrite.compile(copy.deepcopy(module), dtype="bf16", inner="eager")
         err = _error(compiled(*inputs), ref)
     assert err <= 1.5 * _autocast_error(module, inputs, torch.bfloat16, ref)
     assert any("deny" in line for line in amp_rewrite.explain(compiled, "cos"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(set(FAMILIES) - {"llama"}))
+def test_rope_families_within_autocasts_error(family: str) -> None:
+    _rewritten_within_autocasts_error(*_decoder_case(family), "bf16")
