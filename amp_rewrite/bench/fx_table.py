@@ -20,13 +20,16 @@ not convert them either; ``--keep-io-types`` counts our extra output casts too.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import logging
+import os
 import platform
 import statistics
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -35,9 +38,26 @@ from amp_rewrite.bench import zoo
 from amp_rewrite.core import LowDtype
 from amp_rewrite.fx import rewrite_graph
 from amp_rewrite.fx.capture import capture
+from amp_rewrite.fx.pointwise import BACKEND_ENV
 from amp_rewrite.bench.measure import compare_with_autocast
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@contextlib.contextmanager
+def _eager_regions() -> Iterator[None]:
+    """Fused pointwise regions run eagerly: every conversion is then dispatched and counted,
+    as autocast's are (an Inductor-compiled region hides its casts in its kernels, and its
+    first call would count the compile's tracing)."""
+    before = os.environ.get(BACKEND_ENV)
+    os.environ[BACKEND_ENV] = "eager"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[BACKEND_ENV]
+        else:
+            os.environ[BACKEND_ENV] = before
 
 
 def measure(name: str, dtypes: list[str], repeat: int, keep_io_types: bool) -> list[dict]:
@@ -57,7 +77,8 @@ def measure(name: str, dtypes: list[str], repeat: int, keep_io_types: bool) -> l
             gm = rewrite_graph(fresh, dtype=dtype, keep_io_types=keep_io_types,
                                emulate_gemms=False)
             times.append(time.perf_counter() - start)
-        result = compare_with_autocast(model.module, gm, model.args, model.kwargs, dtype)
+        with _eager_regions():
+            result = compare_with_autocast(model.module, gm, model.args, model.kwargs, dtype)
         rows.append({
             "model": name, "dtype": key, "nodes": len(gm.graph.nodes),
             "casts": gm.amp_report["casts_inserted"],
