@@ -6,11 +6,11 @@ bit-identical results), and the found-Inf flag is a 0-dim tensor that is never r
 """
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from amp_rewrite.errors import TrainingError
 
@@ -36,19 +36,26 @@ def _grad_values(param: torch.Tensor) -> torch.Tensor:
 def _group_grads(
     optimizer: torch.optim.Optimizer, *, allow_fp16: bool
 ) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    # Grouped by torch's own C++ helper (the one its optimizers use): a Python loop keyed on
+    # each gradient's device and dtype costs ~1.4 µs a parameter, host time every step.
+    grads = [_grad_values(p) if g.is_sparse else g
+             for p in optimizer_params(optimizer) if (g := p.grad) is not None]
+    if not grads:
+        return {}
+    groups = _group_tensors_by_device_and_dtype([grads])
+    if not allow_fp16 and any(dtype == torch.float16 for _, dtype in groups):
+        _refuse_fp16_grads(optimizer)
+    return {key: tensors for key, ((tensors,), _) in groups.items()}
+
+
+def _refuse_fp16_grads(optimizer: torch.optim.Optimizer) -> None:
     for index, param in enumerate(optimizer_params(optimizer)):
-        if param.grad is None:
-            continue
-        if param.grad.dtype == torch.float16 and not allow_fp16:
+        if param.grad is not None and param.grad.dtype == torch.float16:
             raise TrainingError(
                 f"parameter {index} of the optimizer (shape {tuple(param.shape)}) has a float16 "
                 "gradient: unscaling it in place would flush small gradients to zero; keep "
                 "parameters in float32 or use AmpOptimizer(..., master_weights=True)"
             )
-        values = _grad_values(param)
-        groups[(values.device, values.dtype)].append(values)
-    return groups
 
 
 def check_and_unscale(

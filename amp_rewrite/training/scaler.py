@@ -14,9 +14,10 @@ themselves (``fused=True`` Adam/AdamW/SGD/Adagrad), which skip the update on the
 from __future__ import annotations
 
 import enum
+import functools
 import inspect
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -98,6 +99,13 @@ class _Policy:
     def check_only(self) -> bool:
         """Static scale 1: nothing to multiply or divide, only the Inf/NaN check remains."""
         return not self.dynamic and self.init_scale == 1.0
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_grad_scaler(step: Callable) -> bool:
+    """Whether an optimizer's step takes ``grad_scaler=`` (the deprecated protocol); asked of
+    the class's function once, not of every step."""
+    return "grad_scaler" in inspect.signature(step).parameters
 
 
 class LossScaler:
@@ -267,7 +275,7 @@ class LossScaler:
                     args: tuple[Any, ...], kwargs: dict[str, Any]
                     ) -> tuple[Any, torch.Tensor | None, bool | None]:
         """Hand ``grad_scale``/``found_inf`` to an optimizer that unscales and skips itself."""
-        if "grad_scaler" in inspect.signature(optimizer.step).parameters:
+        if _takes_grad_scaler(getattr(optimizer.step, "__func__", optimizer.step)):
             raise TrainingError("optimizers taking a grad_scaler= argument (the deprecated "
                                 "GradScaler protocol) are not supported; use one that reads "
                                 "optimizer.grad_scale/found_inf, such as Adam(fused=True)")
