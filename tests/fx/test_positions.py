@@ -1,7 +1,7 @@
 """Angles built from positions (RoPE, sinusoidal timestep embeddings) stay fp32 up to their
 cos/sin, whose bounded outputs then go low: ``cos``/``sin`` are deny with a bounded output.
 
-At position 3000 a bf16 angle is off by up to 6 rad, so a plan that lowers ``positions ·
+At position 3000 a bf16 angle is off by up to 8 rad, so a plan that lowers ``positions ·
 frequency`` rotates queries and keys at random; the references here are FP32 and autocast's
 error on the same inputs."""
 from __future__ import annotations
