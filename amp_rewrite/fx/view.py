@@ -57,6 +57,28 @@ def _wide_integer_source(node: Node) -> torch.dtype | None:
     return val.dtype
 
 
+# GEMM op keys -> the argument whose last dim is the summed one (einsum: its equation)
+_GEMM_SUMMED_ARG = {"mm": 0, "bmm": 0, "matmul": 0, "linear": 0, "addmm": 1, "baddbmm": 1,
+                    "addbmm": 1}
+
+
+def _is_outer_product(node: Node, key: str) -> bool:
+    """A GEMM whose summed dimension is 1, or an einsum that sums over no index."""
+    if key == "einsum":
+        equation = node.args[0] if node.args else None
+        if not isinstance(equation, str) or "->" not in equation:
+            return False
+        inputs, output = equation.replace(" ", "").split("->")
+        return set(inputs.replace(",", "").replace(".", "")) <= set(output)
+    index = _GEMM_SUMMED_ARG.get(key)
+    if index is None or node.op != "call_function" or len(node.args) <= index:
+        return False
+    operand = node.args[index]
+    val = operand.meta.get("val") if isinstance(operand, Node) else None
+    return isinstance(val, torch.Tensor) and val.dim() > 0 and type(val.shape[-1]) is int \
+        and val.shape[-1] == 1
+
+
 @dataclass(frozen=True)
 class Port:
     """One floating tensor argument of a node: where it sits and which value it reads."""
@@ -236,7 +258,10 @@ class _Builder:
             return self._norm_with_fp32_params(node, key, ports, outputs, "batch norm")
         if key in _CPU_MIXED_NORMS and len(ports) > 1 and self.on_cpu:
             return self._norm_with_fp32_params(node, key, ports, outputs, f"{key} on CPU")
-        spec = _GroupSpec(node, "T", key, ports, outputs)
+        # An outer product (a GEMM summing over nothing) is a broadcast multiply, memory-bound
+        # like one, and its operands are often positions (RoPE's t ⊗ inv_freq): gray, as mul.
+        op_class = OpClass.GRAY if _is_outer_product(node, key) else None
+        spec = _GroupSpec(node, "T", key, ports, outputs, op_class=op_class)
         if not ports:  # where(mask, 0.0, -1e4): nothing to follow, and no dtype to retype
             spec.fix(self.precision_of(outputs[0]), "no floating-point tensor input and no "
                                                     "dtype argument: torch's default decides")

@@ -120,3 +120,45 @@ def test_backend_keeps_rope_angles_fp32() -> None:
 @pytest.mark.parametrize("family", sorted(set(FAMILIES) - {"llama"}))
 def test_rope_families_within_autocasts_error(family: str) -> None:
     _rewritten_within_autocasts_error(*_decoder_case(family), "bf16")
+
+
+class _OuterAngles(nn.Module):
+    """RoPE angles as older code writes them, t ⊗ inv_freq as a GEMM (einsum, matmul with a
+    summed dim of 1, a Linear(1, d)), with t a float position ramp starting at 3000."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.form = form
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, 16, 2) / 16))
+        self.to_angles = nn.Linear(1, 8, bias=False)
+        with torch.no_grad():
+            self.to_angles.weight.copy_(self.inv_freq[:, None])
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        t = torch.arange(x.shape[1], dtype=torch.float32) + start.float()
+        if self.form == "einsum":
+            angles = torch.einsum("i,j->ij", t, self.inv_freq)
+        elif self.form == "matmul":
+            angles = t[:, None] @ self.inv_freq[None, :]
+        else:
+            angles = self.to_angles(t[:, None])
+        emb = torch.cat([angles, angles], dim=-1)
+        return self.proj(x) * emb.cos() + self.proj(x) * emb.sin()
+
+
+@pytest.mark.parametrize("form", ["einsum", "matmul", "linear"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_outer_product_angles_stay_fp32(form: str, dtype: str) -> None:
+    """A GEMM summing over a dim of 1 is gray (a broadcast multiply), so the positions feeding
+    it are never rounded; autocast casts the matmul form to low (its error is ~1 here)."""
+    module = _OuterAngles(form).eval()
+    inputs = (torch.randn(1, 32, 16, generator=torch.Generator().manual_seed(2)),
+              torch.tensor(3000))
+    with torch.no_grad():
+        ref = module(*inputs)
+    rewritten = amp_rewrite.rewrite(copy.deepcopy(module), inputs, dtype=dtype)
+    with torch.no_grad():
+        err = _error(rewritten(*inputs), ref)
+    assert err <= {"bf16": 2e-2, "fp16": 5e-3}[dtype], err
