@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from amp_rewrite.core import GroupInfo, LowDtype, Precision, PrecisionGraph
+from amp_rewrite.core import GroupInfo, LowDtype, OpClass, Precision, PrecisionGraph
 from amp_rewrite.onnx.load import SYMBOLIC_DIM_EXTENT, walk_graphs
 from amp_rewrite.onnx.ports import (CONTROL_FLOW, PortGroup, Tie, body_graphs, control_flow_ties,
                                     is_candidate, node_opset, port_groups, signature,
@@ -211,14 +211,63 @@ def _add_node(view: OnnxView, node: ir.Node, opset: int, low_ir: ir.DataType) ->
         else:
             view.model_casts.append((node, cast_dtypes(node)))
     op_key = op_type if domain == "" else f"{domain}::{op_type}"
+    # An outer product (a GEMM summing over nothing) is a broadcast multiply, memory-bound
+    # like one, and its operands are often positions (RoPE's t ⊗ inv_freq): gray, as Mul.
+    op_class = OpClass.GRAY if domain == "" and _is_outer_product(node) else None
+    if op_type == "Cast" and domain == "" and (source := _wide_integer_source(node)):
+        # Positions and timesteps: rounded here, the angles read from them would be wrong; a
+        # deny source, so the gray math up to Cos/Sin stays fp32 too (decision 0032).
+        op_class = OpClass.DENY
+        groups = tuple((pg, Precision.HIGH, f"Cast converts {source} integers (positions, "
+                        "timesteps): above 256 they are not exact in bf16, above 2048 not in "
+                        "fp16") if pg.outputs else (pg, fixed, reason)
+                       for pg, fixed, reason in groups)
     inputs, outputs, name = node.inputs, node.outputs, node.name or ""
     add_group, view_groups = view.graph.add_group, view.groups
     for index, (pg, fixed, reason) in enumerate(groups):
         key = ("node", node, index)
         view_groups[key] = (node, pg)
-        add_group(GroupInfo(key, node, name, op_key, fixed, reason, None, pg.saves_traffic,
+        add_group(GroupInfo(key, node, name, op_key, fixed, reason, op_class, pg.saves_traffic,
                             pg.label),
                   inputs=[inputs[i] for i in pg.inputs], outputs=[outputs[o] for o in pg.outputs])
+
+
+_WIDE_INTEGERS = {ir.DataType.INT16, ir.DataType.INT32, ir.DataType.INT64, ir.DataType.UINT16,
+                  ir.DataType.UINT32, ir.DataType.UINT64}
+
+
+def _wide_integer_source(cast: ir.Node) -> str | None:
+    """The name of a float32 Cast's integer input type wider than 8 bits (8-bit integers are
+    exact in fp16 and bf16), else None."""
+    source, target = cast_dtypes(cast)
+    if source in _WIDE_INTEGERS and target == ir.DataType.FLOAT:
+        return source.name.lower()
+    return None
+
+
+def _is_outer_product(node: ir.Node) -> bool:
+    """A MatMul or Gemm whose summed dimension is 1, or an Einsum that sums over no index."""
+    if node.op_type == "Einsum":
+        attr = node.attributes.get("equation")
+        equation = attr.as_string() if attr is not None else ""
+        if "->" not in equation:
+            return False
+        inputs, output = equation.replace(" ", "").split("->")
+        return set(inputs.replace(",", "").replace(".", "")) <= set(output)
+    if node.op_type not in ("MatMul", "Gemm") or len(node.inputs) < 2:
+        return False
+    # the summed dimension, from whichever operand's shape is known
+    trans_a, trans_b = (int(node.attributes[name].as_int()) if name in node.attributes else 0
+                        for name in ("transA", "transB"))  # Gemm's; MatMul has none
+    return any(_dim(value, axis) == 1 for value, axis in (
+        (node.inputs[0], 0 if trans_a else -1), (node.inputs[1], -1 if trans_b else -2)))
+
+
+def _dim(value: ir.Value | None, axis: int) -> int | None:
+    shape = value.shape if value is not None else None
+    if shape is None or len(shape) < (axis + 1 if axis >= 0 else -axis):
+        return None
+    return shape[axis] if isinstance(shape[axis], int) else None
 
 
 # ports.signature -> ((port group, fixed, reason), ...)

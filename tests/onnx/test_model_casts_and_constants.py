@@ -18,20 +18,25 @@ from .conftest import ops, parse
 from ._helpers import BF16, F16, F32, check_close, rewritten, with_weights
 
 
-def test_model_cast_from_int_is_retyped_not_duplicated(rng):
-    model = parse("""
+@pytest.mark.parametrize(("int_type", "kept_fp32"), [("int64", True), ("uint8", False)])
+def test_model_cast_from_int_keeps_fp32_above_8_bits_else_is_retyped(rng, int_type, kept_fp32):
+    """int64 values above 2048 are not exact in fp16 (positions, timesteps): that Cast keeps
+    float32 (decision 0032); uint8 values are exact, so that Cast is retyped, not duplicated."""
+    model = parse(f"""
     <ir_version: 9, opset_import: ["" : 18]>
-    g (int64[2, 8] ids, float[2, 8] x) => (float[2, 8] y) <float[8, 8] w> {
+    g ({int_type}[2, 8] ids, float[2, 8] x) => (float[2, 8] y) <float[8, 8] w> {{
         f = Cast <to = 1> (ids)
         s = Add(x, f)
         h = MatMul(f, w)
         y = Add(h, s)
-    }""")
+    }}""")
     fp32 = with_weights(model, rng)
     mixed = rewritten(fp32)
     own = next(n for n in mixed.graph.node if n.op_type == "Cast" and n.input[0] == "ids")
-    assert own.attribute[0].i == F16  # retyped: its readers are low
-    feeds = {"ids": rng.integers(0, 5, (2, 8)), "x": rng.standard_normal((2, 8)).astype(np.float32)}
+    assert own.attribute[0].i == (F32 if kept_fp32 else F16)
+    high = 3000 if kept_fp32 else 250  # large positions, or the top of uint8
+    feeds = {"ids": (high + rng.integers(0, 5, (2, 8))).astype(int_type),
+             "x": rng.standard_normal((2, 8)).astype(np.float32)}
     check_close(fp32, mixed, feeds)
 
 
