@@ -52,3 +52,13 @@ class LowDtype(enum.Enum):
     @property
     def max_finite(self) -> float:
         return 65504.0 if self is LowDtype.FLOAT16 else 3.3895313892515355e38
+
+
+def einsum_sums_over_nothing(equation: str) -> bool:
+    """Whether an einsum equation with an explicit output (``"i,j->ij"``) keeps every input
+    index: an outer or broadcast product, which both adapters treat as gray like a multiply
+    (decision 0032). Implicit-output equations answer False."""
+    if "->" not in equation:
+        return False
+    inputs, output = equation.replace(" ", "").split("->")
+    return set(inputs.replace(",", "").replace(".", "")) <= set(output)

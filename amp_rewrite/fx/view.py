@@ -30,6 +30,7 @@ import torch
 from torch.fx import Node
 
 from amp_rewrite.core import GroupInfo, OpClass, Precision, PrecisionGraph
+from amp_rewrite.core.precision import einsum_sums_over_nothing
 from amp_rewrite.fx import opkeys
 
 CAST_TAG = "amp_rewrite_cast"  # node.meta key on the casts this package inserts
@@ -66,10 +67,7 @@ def _is_outer_product(node: Node, key: str) -> bool:
     """A GEMM whose summed dimension is 1, or an einsum that sums over no index."""
     if key == "einsum":
         equation = node.args[0] if node.args else None
-        if not isinstance(equation, str) or "->" not in equation:
-            return False
-        inputs, output = equation.replace(" ", "").split("->")
-        return set(inputs.replace(",", "").replace(".", "")) <= set(output)
+        return isinstance(equation, str) and einsum_sums_over_nothing(equation)
     index = _GEMM_SUMMED_ARG.get(key)
     if index is None or node.op != "call_function" or len(node.args) <= index:
         return False

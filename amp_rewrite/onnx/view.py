@@ -20,6 +20,7 @@ import onnx
 import onnx_ir as ir
 
 from amp_rewrite.core import GroupInfo, LowDtype, OpClass, Precision, PrecisionGraph
+from amp_rewrite.core.precision import einsum_sums_over_nothing
 from amp_rewrite.onnx.load import SYMBOLIC_DIM_EXTENT, walk_graphs
 from amp_rewrite.onnx.ports import (CONTROL_FLOW, PortGroup, Tie, body_graphs, control_flow_ties,
                                     is_candidate, node_opset, port_groups, signature,
@@ -249,11 +250,7 @@ def _is_outer_product(node: ir.Node) -> bool:
     """A MatMul or Gemm whose summed dimension is 1, or an Einsum that sums over no index."""
     if node.op_type == "Einsum":
         attr = node.attributes.get("equation")
-        equation = attr.as_string() if attr is not None else ""
-        if "->" not in equation:
-            return False
-        inputs, output = equation.replace(" ", "").split("->")
-        return set(inputs.replace(",", "").replace(".", "")) <= set(output)
+        return attr is not None and einsum_sums_over_nothing(attr.as_string())
     if node.op_type not in ("MatMul", "Gemm") or len(node.inputs) < 2:
         return False
     # the summed dimension, from whichever operand's shape is known
