@@ -20,7 +20,6 @@ not convert them either; ``--keep-io-types`` counts our extra output casts too.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import json
 import logging
@@ -29,8 +28,8 @@ import platform
 import statistics
 import time
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -42,22 +41,6 @@ from amp_rewrite.fx.pointwise import BACKEND_ENV
 from amp_rewrite.bench.measure import compare_with_autocast
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-@contextlib.contextmanager
-def _eager_regions() -> Iterator[None]:
-    """Fused pointwise regions run eagerly: every conversion is then dispatched and counted,
-    as autocast's are (an Inductor-compiled region hides its casts in its kernels, and its
-    first call would count the compile's tracing)."""
-    before = os.environ.get(BACKEND_ENV)
-    os.environ[BACKEND_ENV] = "eager"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[BACKEND_ENV]
-        else:
-            os.environ[BACKEND_ENV] = before
 
 
 def measure(name: str, dtypes: list[str], repeat: int, keep_io_types: bool) -> list[dict]:
@@ -77,7 +60,10 @@ def measure(name: str, dtypes: list[str], repeat: int, keep_io_types: bool) -> l
             gm = rewrite_graph(fresh, dtype=dtype, keep_io_types=keep_io_types,
                                emulate_gemms=False)
             times.append(time.perf_counter() - start)
-        with _eager_regions():
+        # fused regions eager: every conversion is then dispatched and counted, as autocast's
+        # are (a compiled region hides its casts in its kernels, and its first call would
+        # count the compile's tracing)
+        with mock.patch.dict(os.environ, {BACKEND_ENV: "eager"}):
             result = compare_with_autocast(model.module, gm, model.args, model.kwargs, dtype)
         rows.append({
             "model": name, "dtype": key, "nodes": len(gm.graph.nodes),

@@ -62,3 +62,10 @@ def einsum_sums_over_nothing(equation: str) -> bool:
         return False
     inputs, output = equation.replace(" ", "").split("->")
     return set(inputs.replace(",", "").replace(".", "")) <= set(output)
+
+
+def integer_conversion_reason(op: str, source: str) -> str:
+    """Why a conversion of integers wider than 8 bits to float32 stays fp32 (a deny source in
+    both adapters, decision 0032)."""
+    return (f"{op} converts {source} integers (positions, timesteps): above 256 they are not "
+            "exact in bf16, above 2048 not in fp16")

@@ -30,7 +30,7 @@ import torch
 from torch.fx import Node
 
 from amp_rewrite.core import GroupInfo, OpClass, Precision, PrecisionGraph
-from amp_rewrite.core.precision import einsum_sums_over_nothing
+from amp_rewrite.core.precision import einsum_sums_over_nothing, integer_conversion_reason
 from amp_rewrite.fx import opkeys
 
 CAST_TAG = "amp_rewrite_cast"  # node.meta key on the casts this package inserts
@@ -285,9 +285,7 @@ class _Builder:
             elif dtype == torch.float32 and (source := _wide_integer_source(node)) is not None:
                 # Positions and timesteps: rounded here, the angles read from them would be
                 # wrong; a deny source, so the gray math up to cos/sin stays fp32 too.
-                out.fix(Precision.HIGH, f"{key} converts {source} integers (positions, "
-                                        "timesteps): above 256 they are not exact in bf16, "
-                                        "above 2048 not in fp16")
+                out.fix(Precision.HIGH, integer_conversion_reason(key, str(source)))
                 out.op_class = OpClass.DENY
             elif not (key in opkeys.RETYPABLE and dtype == torch.float32):
                 out.fix(self.precisions[dtype],

@@ -20,7 +20,7 @@ import onnx
 import onnx_ir as ir
 
 from amp_rewrite.core import GroupInfo, LowDtype, OpClass, Precision, PrecisionGraph
-from amp_rewrite.core.precision import einsum_sums_over_nothing
+from amp_rewrite.core.precision import einsum_sums_over_nothing, integer_conversion_reason
 from amp_rewrite.onnx.load import SYMBOLIC_DIM_EXTENT, walk_graphs
 from amp_rewrite.onnx.ports import (CONTROL_FLOW, PortGroup, Tie, body_graphs, control_flow_ties,
                                     is_candidate, node_opset, port_groups, signature,
@@ -219,10 +219,8 @@ def _add_node(view: OnnxView, node: ir.Node, opset: int, low_ir: ir.DataType) ->
         # Positions and timesteps: rounded here, the angles read from them would be wrong; a
         # deny source, so the gray math up to Cos/Sin stays fp32 too (decision 0032).
         op_class = OpClass.DENY
-        groups = tuple((pg, Precision.HIGH, f"Cast converts {source} integers (positions, "
-                        "timesteps): above 256 they are not exact in bf16, above 2048 not in "
-                        "fp16") if pg.outputs else (pg, fixed, reason)
-                       for pg, fixed, reason in groups)
+        groups = tuple((pg, Precision.HIGH, integer_conversion_reason("Cast", source))
+                       if pg.outputs else (pg, fixed, reason) for pg, fixed, reason in groups)
     inputs, outputs, name = node.inputs, node.outputs, node.name or ""
     add_group, view_groups = view.graph.add_group, view.groups
     for index, (pg, fixed, reason) in enumerate(groups):
