@@ -188,24 +188,19 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 
 def _list_rules(args) -> int:
     from amp_rewrite.core import load_rules
+    from amp_rewrite.core.rules import default_rules_path
     from amp_rewrite.onnx.passes import known_op_keys
 
-    rules = (_torch_rules(args) if args.torch
-             else load_rules("onnx", args.rules, known_ops=known_op_keys()))
+    if args.torch:  # the rules ``amp_rewrite.rewrite`` uses (fx/__init__.py order)
+        overlays = [default_rules_path("torch_cpu")] if args.torch == "cpu" else []
+        rules = load_rules("torch", extra_files=[*overlays, *args.rules])
+    else:
+        rules = load_rules("onnx", args.rules, known_ops=known_op_keys())
     for entry in rules.entries():
         print(f"{entry.op_class.value:6} {entry.op:40} {entry.reason}  [{entry.source}]")
     for entry in rules.bounded_entries():
         print(f"{'bounded':6} {entry.op:40} {entry.reason}  [{entry.source}]")
     return 0
-
-
-def _torch_rules(args):
-    """The rules ``amp_rewrite.rewrite`` uses on ``args.torch`` (fx/__init__.py order)."""
-    from amp_rewrite.core import load_rules
-    from amp_rewrite.core.rules import default_rules_path
-
-    overlays = [default_rules_path("torch_cpu")] if args.torch == "cpu" else []
-    return load_rules("torch", extra_files=[*overlays, *args.rules])
 
 
 @dataclass
@@ -390,7 +385,10 @@ def _finish(args, result, out: Path | None, validation, seconds: float,
     if validation is not None:
         report["validation"] = [e.__dict__ for e in validation[0]]
     if report_path is not None:
-        _write_json(report_path, report)
+        from amp_rewrite.onnx import save
+
+        save.write_bytes_atomically(report_path,
+                                    json.dumps(report, indent=1, default=str).encode())
     for name in args.explain:
         _explain(result, name)
     if not args.quiet:
@@ -419,12 +417,6 @@ def _explain(result, name: str) -> None:
         logger.warning("--explain %r: no node of that name with float ports%s", name, e.near)
 
 
-def _write_json(path: Path, data: dict) -> None:
-    from amp_rewrite.onnx import save
-
-    save.write_bytes_atomically(path, json.dumps(data, indent=1, default=str).encode())
-
-
 def _print_summary(r: dict, args) -> None:
     counts = r["precision_counts"]
     output = r["output"] or "not written (validation failed)"
@@ -442,7 +434,11 @@ def _print_summary(r: dict, args) -> None:
     if r["identity_casts_removed"]:
         rows.insert(4, ("identity casts removed", r["identity_casts_removed"]))
     if args.calibrate:
-        threshold = args.threshold if args.threshold is not None else _default_threshold(args)
+        from amp_rewrite.core import LowDtype
+        from amp_rewrite.onnx.api import default_threshold
+
+        threshold = (args.threshold if args.threshold is not None
+                     else default_threshold(LowDtype.parse(args.dtype)))
         rows.insert(3, ("pinned by calibration", f"{len(r['pinned_by_calibration'])} values "
                                                  f"above {threshold:g} (kept fp32)"))
     if r.get("budget"):
@@ -488,13 +484,6 @@ def _budget_rows(b: dict, pinned: list) -> list[tuple[str, str]]:
                                 f"node the rules run low pinned fp32 the error is "
                                 f"{b['all_pinned_error']} (that plan was written)"))
     return rows
-
-
-def _default_threshold(args) -> float:
-    from amp_rewrite.core import LowDtype
-    from amp_rewrite.onnx.api import default_threshold
-
-    return default_threshold(LowDtype.parse(args.dtype))
 
 
 def _nothing_to_change(counts: dict) -> str:

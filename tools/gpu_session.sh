@@ -4,7 +4,8 @@
 # fails costs only its own time. Results go to $OUT (at most 8 files come back).
 #   OUT=/tmp/out bash tools/gpu_session.sh [all|rest]
 # all: a smoke test, the backend against compiled autocast in bf16 and fp16 (~10 minutes);
-# rest (a second call on the warm machine): fp16 with GradScaler, and a step profile.
+# rest (a second call on the warm machine): the backend with low outputs (bf16), fp16 with
+# GradScaler, and a step profile.
 #   BENCH_EXTRA='--device cpu --tiny' OUT=/tmp/out bash tools/gpu_session.sh   # CPU dry run
 # The lent device's image has torch, transformers and lightning but not ortools or torchao:
 # carry their wheels in .whl (see /work/.library/device/README.md); they are installed here.
@@ -45,8 +46,12 @@ section "backend bf16" 300 $TRAIN --models llama gpt2 bert resnet50 --compile on
 section "backend fp16" 220 $TRAIN --models llama gpt2 bert resnet50 --compile on --dtype fp16 \
     --variants backend autocast --steps 20 --warmup 5 --json "$OUT/backend_fp16.json"
 else  # rest: a second call on the warm machine
-section "backend fp16 gradscaler" 200 $TRAIN --models llama gpt2 bert resnet50 --compile on \
+# the logits returned low as autocast returns them (keep_io_types=False): no fp32 copy of a
+# batch x sequence x vocabulary tensor; compare with backend_bf16.json
+section "backend low outputs bf16" 180 $TRAIN --models llama gpt2 bert resnet50 --compile on \
+    --dtype bf16 --variants backend_low_io --steps 20 --warmup 5 --json "$OUT/low_io_bf16.json"
+section "backend fp16 gradscaler" 180 $TRAIN --models llama gpt2 bert resnet50 --compile on \
     --dtype fp16 --variants backend_gradscaler --steps 20 --warmup 5 --json "$OUT/gradscaler.json"
-section "profile llama" 150 python3 -m amp_rewrite.bench gpu profile --models llama \
+section "profile llama" 120 python3 -m amp_rewrite.bench gpu profile --models llama \
     --variants autocast backend --dtype bf16 --steps 3 --compile --json "$OUT/profile.json"
 fi

@@ -16,8 +16,9 @@ Variants: ``fp32``; ``autocast`` (+ GradScaler for fp16); ``amp_rewrite`` (the d
 fusion on, padding on for CUDA); ``amp_rewrite_nofuse`` (``fuse=False``);
 ``amp_rewrite_nopad`` (``pad=False``); ``backend`` (``amp_rewrite.compile``: the
 ``torch.compile`` backend on the user's module, with ``AmpOptimizer``) and
-``backend_gradscaler`` (the backend with ``torch.amp.GradScaler``), which are always compiled
-and compare with ``autocast`` compiled. Every variant starts from the same weights and uses
+``backend_gradscaler`` (the backend with ``torch.amp.GradScaler``) and ``backend_low_io`` (the
+backend with ``keep_io_types=False``: the logits come back low, as autocast returns them), which
+are always compiled and compare with ``autocast`` compiled. Every variant starts from the same weights and uses
 ``AdamW(fused=True)`` (CUDA and CPU kernels). A training step is forward, loss, backward and
 optimizer step; a forward is one call under ``torch.no_grad()``. Times are medians over
 ``--steps`` calls after ``--warmup`` calls (compilation happens in the warm-up), with a device
@@ -26,7 +27,8 @@ measured calls. ``prep_s`` is the rewrite time (amp_rewrite) before any warm-up;
 first step's loss (same weights and data in every variant: a sanity check against FP32).
 ``sync_free`` says whether the optimizer update (``AmpOptimizer.step()`` or
 ``GradScaler.step`` + ``update``) ran under ``torch.cuda.set_sync_debug_mode("error")`` without a
-host synchronisation; ``recompiles`` counts graphs dynamo compiled after warm-up.
+host synchronisation; ``recompiles`` counts graphs dynamo compiled after warm-up; ``kernels``
+the kernels Inductor generated for the variant (forward and backward; 0 when not compiled).
 
 Rows are appended to ``--out`` as they finish (a killed run keeps what it measured). Without
 CUDA it says so and exits 0; ``--device cpu --tiny`` runs the same code on tiny configs (a
@@ -53,6 +55,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F  # noqa: N812
+from torch._inductor import metrics as inductor_metrics
 
 import amp_rewrite
 from amp_rewrite.bench.timing import add_same_process_flag, rows_in_fresh_process
@@ -60,8 +63,9 @@ from amp_rewrite.training import AmpOptimizer
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 VARIANTS = ("fp32", "autocast", "amp_rewrite", "amp_rewrite_nofuse", "amp_rewrite_nopad",
-            "backend", "backend_gradscaler")
-BACKEND_VARIANTS = ("backend", "backend_gradscaler")
+            "backend", "backend_gradscaler", "backend_low_io")
+BACKEND_OPTIONS = {"backend": {}, "backend_gradscaler": {},
+                   "backend_low_io": {"keep_io_types": False}}
 MODELS = ("bert", "bert_4l", "gpt2", "llama", "resnet50", "mlp_odd")
 REWRITE_OPTIONS = {"amp_rewrite": {}, "amp_rewrite_nofuse": {"fuse": False},
                    "amp_rewrite_nopad": {"pad": False}}
@@ -183,8 +187,8 @@ def prepare(variant: str, work: Workload, dtype: torch.dtype, compile_: bool,
         module = amp_rewrite.rewrite(module, work.inputs, dtype=dtype,
                                      **REWRITE_OPTIONS[variant])
     prep_s = time.perf_counter() - start
-    if variant in BACKEND_VARIANTS:
-        model = amp_rewrite.compile(module, dtype=dtype)
+    if variant in BACKEND_OPTIONS:
+        model = amp_rewrite.compile(module, dtype=dtype, **BACKEND_OPTIONS[variant])
     else:
         model = torch.compile(module) if compile_ else module
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4, fused=True)
@@ -317,15 +321,17 @@ def _run_variant(args: argparse.Namespace, work: Workload, variant: str, compile
                  device: torch.device) -> list[dict]:
     head = {"model": work.name, "variant": variant, "compile": compile_, "dtype": args.dtype}
     rows = []
-    if variant in BACKEND_VARIANTS and not compile_:
+    if variant in BACKEND_OPTIONS and not compile_:
         return rows  # a torch.compile backend: compiled rows only
     try:
         prepared = prepare(variant, work, DTYPES[args.dtype], compile_, device)
         for phase in args.phases:
             row = {**head, "phase": phase, "prep_s": round(prepared.prep_s, 3)}
             if phase == "train":
+                kernels = inductor_metrics.generated_kernel_count
                 row["loss0"] = float(prepared.step().detach())
                 row.update(measure(prepared.step, device, args.warmup, args.steps))
+                row["kernels"] = inductor_metrics.generated_kernel_count - kernels
                 row["sync_free"] = sync_free_step(prepared, device)
             else:
                 row.update(measure(prepared.forward, device, args.warmup, args.steps))
@@ -351,7 +357,7 @@ def _format(row: dict) -> str:
     peak = f"{row['peak_mib']:10.0f}" if row["peak_mib"] is not None else f"{'n/a':>10s}"
     return (f"{head} {row['ms']:10.2f} {peak} {row['prep_s']:7.1f} {row['warmup_s']:7.1f}"
             f" {row.get('loss0', float('nan')):9.4f} {row.get('recompiles', ''):>4}"
-            f" {row.get('sync_free', '')}")
+            f" {row.get('kernels', ''):>7} {row.get('sync_free', '')}")
 
 
 def _save(out: Path, rows: list[dict], args: argparse.Namespace, device: torch.device) -> None:
@@ -410,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
     device = torch.device(args.device)
     print(f"{'model':9s} {'variant':19s} {'mode':9s} {'phase':8s} {'ms':>10s} {'peak MiB':>10s}"
-          f" {'prep s':>7s} {'warm s':>7s} {'loss0':>9s} {'reco':>4s} sync-free")
+          f" {'prep s':>7s} {'warm s':>7s} {'loss0':>9s} {'reco':>4s} {'kernels':>7s} sync-free")
     run_all(args, device)
     print(f"wrote {args.json}")
     return 0

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable, Iterable, Mapping
-import dataclasses
 from dataclasses import dataclass, field
 
 DEFAULT_MAX_EVALUATIONS = 25
@@ -107,21 +106,15 @@ def search(units: Iterable[Unit], evaluate: Callable[[frozenset], float], budget
     without it, ``Unit.score``. ``progress(evaluations_done, error)`` follows each one."""
     if max_evaluations < 2:
         raise ValueError("max_evaluations must be at least 2")
-    result = _search(units, evaluate, budget * margin, max_evaluations, estimate, progress)
-    return dataclasses.replace(result, budget=budget)
-
-
-def _search(units: Iterable[Unit], evaluate: Callable[[frozenset], float], budget: float,
-            max_evaluations: int, estimate, progress: Callable[[int, float], None] | None
-            ) -> BudgetResult:
+    limit = budget * margin
     units = sorted(units, key=lambda u: str(u.key))  # deterministic whatever the caller's order
     ev = _Evaluator(evaluate, max_evaluations, progress)
     start = ev(())
-    if start <= budget or not units:
-        return BudgetResult(budget, (), start, start, None, ev.count, start <= budget)
+    if start <= limit or not units:
+        return BudgetResult(budget, (), start, start, None, ev.count, start <= limit)
     everything = tuple(u.key for u in units)
     floor = ev(everything)
-    if floor > budget:
+    if floor > limit:
         return BudgetResult(budget, everything, floor, start, floor, ev.count, False)
     contributions, measured = _contributions(units, ev, floor, estimate)
     weight = {u.key: u.weight for u in units}
@@ -129,11 +122,10 @@ def _search(units: Iterable[Unit], evaluate: Callable[[frozenset], float], budge
     if any(u.peak for u in units):
         orders.append(_largest_first(units))
     bisection = math.ceil(math.log2(len(units) + 1))
-    candidates = [_shortest_prefix(order, ev, budget, bisection) for order in orders]
-    candidates.append(_capacity_search(units, contributions, ev, budget, budget - floor,
-                                       reserve=_PRUNE_RESERVE))
+    candidates = [_shortest_prefix(order, ev, limit, bisection) for order in orders]
+    candidates.append(_capacity_search(units, contributions, ev, limit, limit - floor))
     best = min(candidates, key=lambda pins: sum(weight[k] for k in pins))
-    pins = _pruned(sorted(best, key=lambda k: (-weight[k], str(k))), ev, budget)
+    pins = _pruned(sorted(best, key=lambda k: (-weight[k], str(k))), ev, limit)
     return BudgetResult(budget, tuple(pins), ev(pins), start, floor, ev.count, True,
                         contributions, measured)
 
@@ -169,10 +161,8 @@ def _cheapest_first(units: list[Unit], contributions: Mapping[Hashable, float]
     equals). Rounding errors compound through a chain (a residual stream rounded at every
     layer), so units harmless alone can matter together; the light ones (norms, adds,
     softmax) cost little share, the GEMMs much."""
-    def key(u: Unit):
-        return (contributions[u.key] < math.inf, u.weight, -contributions[u.key], str(u.key))
-
-    return [u.key for u in sorted(units, key=key)]
+    return [u.key for u in sorted(units, key=lambda u: (
+        contributions[u.key] < math.inf, u.weight, -contributions[u.key], str(u.key)))]
 
 
 def _largest_first(units: list[Unit]) -> list[Hashable]:
@@ -202,8 +192,7 @@ _KNAPSACK_STEPS = 2000  # capacity resolution: contributions round up to 1/2000 
 
 
 def _capacity_search(units: list[Unit], contributions: Mapping[Hashable, float],
-                     ev: _Evaluator, budget: float, capacity: float, reserve: int = 0
-                     ) -> list[Hashable]:
+                     ev: _Evaluator, budget: float, capacity: float) -> list[Hashable]:
     """The measured-feasible pin set with the least pinned weight among the knapsack plans
     tried (step 4); every unit pinned if none was feasible."""
     everything = [u.key for u in units]
@@ -212,7 +201,7 @@ def _capacity_search(units: list[Unit], contributions: Mapping[Hashable, float],
     feasible_cap, infeasible_cap = 0.0, math.inf
     capacity = max(capacity, 1e-30)
     for _ in range(_CAPACITY_ROUNDS):  # a plan seen before costs no evaluation
-        if ev.left <= 1 + reserve or infeasible_cap / max(feasible_cap, 1e-300) < 1.01:
+        if ev.left <= 1 + _PRUNE_RESERVE or infeasible_cap / max(feasible_cap, 1e-300) < 1.01:
             break
         pins = frozenset(everything) - _knapsack(units, contributions, capacity)
         if ev(pins) <= budget:

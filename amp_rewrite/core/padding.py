@@ -116,9 +116,6 @@ class PadPolicy:
                     else self.tensor_core_tflops / self.misaligned_slowdown)
         return max(flops / (rate * 1e12), traffic / (self.memory_tbps * 1e12))
 
-    def copy_seconds(self, traffic: float) -> float:
-        return traffic / (self.memory_tbps * 1e12)
-
 
 class DimPad(NamedTuple):
     """A padded dim; symbolic: ``size`` is the symbol, ``padded`` ``padded_symbol(size)``,
@@ -371,8 +368,8 @@ class _Cost:
                                                  if self._on(v, r)) for v in self.operands)
         misaligned = [size for role, size in self.misaligned.items() if role not in pads]
         copies = sum(self._copy_bytes(r, d) for r, d in pads.items())
-        return self.policy.op_seconds(flops, traffic, misaligned) + \
-            self.policy.copy_seconds(copies)
+        return (self.policy.op_seconds(flops, traffic, misaligned)
+                + copies / (self.policy.memory_tbps * 1e12))
 
     def _on(self, value: Hashable, role: str) -> bool:
         return any(v == value for v, _ in self.roles[role])
@@ -538,7 +535,7 @@ def _op_demands(op: PadOp, padding: OpPadding) -> tuple[dict, dict]:
     produced: dict[Hashable, AxisPad] = {}
     roles = _roles(op)
     for dim in padding.dims:
-        for i, (value, axis) in enumerate(roles[dim.role]):
+        for value, axis in roles[dim.role]:
             pad = AxisPad(axis, dim.size, dim.padded)
             if dim.role in ("N", "Cout") and value in op.outputs:
                 produced[value] = pad

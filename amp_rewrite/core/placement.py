@@ -318,11 +318,8 @@ def settled_sources(graph: PrecisionGraph, fixed: dict[Hashable, Precision],
     for key, group in graph._groups.items():
         if key in fixed or group.savings or graph._inputs[key]:
             continue
-        if not free:  # ONNX: no promoting reader, every reader counts
-            wanted = {fixed.get(c) for v in outputs[key] for c in consumers[v]}
-        else:
-            wanted = {fixed.get(c) for v in outputs[key] for c in consumers[v]
-                      if (v, c) not in free or fixed.get(c) is not Precision.HIGH}
+        wanted = {fixed.get(c) for v in outputs[key] for c in consumers[v]
+                  if (v, c) not in free or fixed.get(c) is not Precision.HIGH}
         if len(wanted) == 1 and None not in wanted:
             settled[key] = wanted.pop()
     return settled

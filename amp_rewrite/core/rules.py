@@ -118,11 +118,8 @@ class RuleSet:
 
     def overlay(self, entries: Iterable[RuleEntry], bounded: Iterable[BoundedEntry] = (),
                 pins: Iterable[PinEntry] = ()) -> RuleSet:
-        merged = dict(self._entries)
-        merged.update((e.op, e) for e in entries)
-        merged_bounded = dict(self._bounded)
-        merged_bounded.update((e.op, e) for e in bounded)
-        return RuleSet(merged.values(), merged_bounded.values(), [*self.pins, *pins])
+        return RuleSet([*self._entries.values(), *entries], [*self._bounded.values(), *bounded],
+                       [*self.pins, *pins])
 
     def without(self, op_class: OpClass, ops: Iterable[str]) -> RuleSet:
         drop = set(ops)
@@ -156,7 +153,12 @@ def parse_rule_file(path: str | Path) -> list[RuleEntry]:
             continue
         op_class = _parse_class(path, class_name, table)
         for op, reason in table.items():
-            entries[op] = _parse_entry(path, entries, op_class, op, reason)
+            reason = _reason(path, class_name, op, reason)
+            if op in entries:
+                raise RuleFileError(
+                    f"{path}: op {op!r} is in both [{entries[op].op_class.value}] and "
+                    f"[{class_name}]; keep it in one class")
+            entries[op] = RuleEntry(op, op_class, reason, str(path))
     return list(entries.values())
 
 
@@ -166,11 +168,8 @@ def parse_bounded_output(path: str | Path) -> list[BoundedEntry]:
     table = _read_rule_file(path).get(BOUNDED_OUTPUT, {})
     if not isinstance(table, dict):
         raise RuleFileError(f"{path}: [{BOUNDED_OUTPUT}] must be a table of op = \"reason\"")
-    for op, reason in table.items():
-        if not isinstance(reason, str) or not reason.strip():
-            raise RuleFileError(f"{path}: [{BOUNDED_OUTPUT}] {op}: the value must be a "
-                                "non-empty reason string")
-    return [BoundedEntry(op, reason.strip(), str(path)) for op, reason in table.items()]
+    return [BoundedEntry(op, _reason(path, BOUNDED_OUTPUT, op, reason), str(path))
+            for op, reason in table.items()]
 
 
 def parse_pins(path: str | Path) -> list[PinEntry]:
@@ -183,11 +182,8 @@ def parse_pins(path: str | Path) -> list[PinEntry]:
         if not isinstance(table, dict):
             raise RuleFileError(f"{path}: [{name}] must be a table of "
                                 "\"node-name pattern\" = \"reason\"")
-        for pattern, reason in table.items():
-            if not isinstance(reason, str) or not reason.strip():
-                raise RuleFileError(f"{path}: [{name}] {pattern}: the value must be a "
-                                    "non-empty reason string")
-            entries.append(PinEntry(pattern, reason.strip(), str(path), name == KEEP_LOW))
+        entries += [PinEntry(pattern, _reason(path, name, pattern, reason), str(path),
+                             name == KEEP_LOW) for pattern, reason in table.items()]
     return entries
 
 
@@ -198,16 +194,12 @@ def _read_rule_file(path: Path) -> dict:
         raise RuleFileError(f"{path}: rule file not found") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise RuleFileError(f"{path}: not valid TOML ({e})") from None
-    _check_header(path, data)
-    return data
-
-
-def _check_header(path: Path, data: dict) -> None:
     schema = data.get("schema")
     if schema != SCHEMA_VERSION:
         raise RuleFileError(
             f"{path}: 'schema' must be {SCHEMA_VERSION}, got {schema!r}; "
             f"add 'schema = {SCHEMA_VERSION}' at the top")
+    return data
 
 
 def _parse_class(path: Path, class_name: str, table: object) -> OpClass:
@@ -220,16 +212,12 @@ def _parse_class(path: Path, class_name: str, table: object) -> OpClass:
     return OpClass(class_name)
 
 
-def _parse_entry(path: Path, seen: dict[str, RuleEntry], op_class: OpClass, op: str,
-                 reason: object) -> RuleEntry:
+def _reason(path: Path, table: str, key: str, reason: object) -> str:
+    """A table entry's reason, stripped; a RuleFileError unless a non-empty string."""
     if not isinstance(reason, str) or not reason.strip():
         raise RuleFileError(
-            f"{path}: [{op_class.value}] {op}: the value must be a non-empty reason string")
-    if op in seen:
-        raise RuleFileError(
-            f"{path}: op {op!r} is in both [{seen[op].op_class.value}] and [{op_class.value}]; "
-            "keep it in one class")
-    return RuleEntry(op, op_class, reason.strip(), str(path))
+            f"{path}: [{table}] {key}: the value must be a non-empty reason string")
+    return reason.strip()
 
 
 def _env_op_list(env: Mapping[str, str], name: str) -> list[str]:

@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import time
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -239,7 +240,12 @@ def _prepare(gm: torch.fx.GraphModule, options: FxOptions) -> _Prepared:
     # a second rewrite plans on the flat graph with its low kernels
     unfused = (UnfuseRegions()(gm).modified | RestoreLowKernels()(gm).modified
                | RestoreFp8Gemms()(gm).modified)
-    foreign_notes = _prepare_dtypes(gm, options.low, rule_set, options.keep_io_types, device)
+    # refuse integer data into GEMMs, keep ops without a low kernel here fp32, adapt
+    # bf16/fp16/fp64-held models (fx/guards.py)
+    guards.refuse_non_float_gemm_inputs(gm, rule_set)
+    guards.mark_missing_low_kernels(gm, options.low, rule_set, device)
+    convert = guards.ConvertForeignFloats(options.low, options.keep_io_types)
+    convert(gm)
     start = time.perf_counter()
     with gc_paused():
         inlined = unfused | InlineModules()(gm).modified
@@ -250,7 +256,7 @@ def _prepare(gm: torch.fx.GraphModule, options: FxOptions) -> _Prepared:
         FunctionalizeInPlace()(gm)
         masks = DropTrivialAttentionMasks()
         masks(gm)
-    return _Prepared(options, rule_set, foreign_notes, masks, start)
+    return _Prepared(options, rule_set, convert.notes, masks, start)
 
 
 def _plan_and_lower(gm: torch.fx.GraphModule, prepared: _Prepared,
@@ -283,17 +289,6 @@ def _report(gm: torch.fx.GraphModule, prepared: _Prepared, lowered: _Lowered,
                         fp8=lowered.fp8, attention_masks_dropped=prepared.masks.dropped,
                         seconds=round(time.perf_counter() - prepared.start, 4))
     return report
-
-
-def _prepare_dtypes(gm: torch.fx.GraphModule, low: torch.dtype, rules: RuleSet,
-                    keep_io_types: bool, device: str) -> list[str]:
-    """Refuse integer data into GEMMs; mark ops without a low kernel on ``device``; adapt
-    bf16/fp16/fp64-held models (``fx/guards.py``)."""
-    guards.refuse_non_float_gemm_inputs(gm, rules)
-    guards.mark_missing_low_kernels(gm, low, rules, device)
-    convert = guards.ConvertForeignFloats(low, keep_io_types)
-    convert(gm)
-    return convert.notes
 
 
 def _true_notes(notes: list[str], foreign_notes: list[str]) -> list[str]:
@@ -347,10 +342,8 @@ def _fused_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
 
 
 def _fused_summary(gm: torch.fx.GraphModule, pointwise: FusePointwise) -> dict:
-    patterns: dict[str, int] = {}
-    for node in _fused_nodes(gm):
-        patterns[node.meta[FUSED_TAG]] = patterns.get(node.meta[FUSED_TAG], 0) + 1
-    return {"patterns": patterns, **pointwise.summary()}
+    patterns = Counter(node.meta[FUSED_TAG] for node in _fused_nodes(gm))
+    return {"patterns": dict(patterns), **pointwise.summary()}
 
 
 def _with_fusions(gm: torch.fx.GraphModule,

@@ -147,10 +147,13 @@ def insert_cast(graph: torch.fx.Graph, value: Node, dtype: torch.dtype) -> Node:
         node = graph.create_node("call_function", torch.ops.aten._to_copy.default, (value,),
                                  {"dtype": dtype}, name=f"{value.name}_{_SHORT[dtype]}")
     node.meta[CAST_TAG] = True
-    for key in ("nn_module_stack", "stack_trace"):
-        if key in value.meta:
-            node.meta[key] = value.meta[key]
+    node.meta.update(source_meta(value))
     return node
+
+
+def source_meta(value: Node) -> dict:
+    """Module path and stack of ``value``, for a node that converts, pads or slices it."""
+    return {k: value.meta[k] for k in ("nn_module_stack", "stack_trace") if k in value.meta}
 
 
 def _rewire(port: Port, target: Node) -> int:
@@ -227,11 +230,8 @@ def retype_values(gm: torch.fx.GraphModule, view: FxView, plan: PrecisionPlan) -
 
 
 def _set_val(node: Node, val: object, dtype: torch.dtype, memo: dict) -> None:
-    if not isinstance(val, torch.Tensor) or val.dtype == dtype:
-        if isinstance(val, torch.Tensor):
-            node.meta["val"] = val
-        return
-    node.meta["val"] = retyped(val, dtype, memo)
+    if isinstance(val, torch.Tensor):
+        node.meta["val"] = val if val.dtype == dtype else retyped(val, dtype, memo)
 
 
 def retyped(val: torch.Tensor, dtype: torch.dtype, memo: dict | None = None) -> torch.Tensor:
@@ -261,10 +261,7 @@ def check_applied(view: FxView, plan: PrecisionPlan) -> None:
         want = view.dtype(plan.precision(group))
         for port in ports:
             val = get_arg(port.node, port.path).meta.get("val")
-            if (group, port.value) in promoted:
-                want_here = view.low
-            else:
-                want_here = want
+            want_here = view.low if (group, port.value) in promoted else want
             if isinstance(val, torch.Tensor) and val.dtype != want_here:
                 raise AmpRewriteError(
                     f"internal error: {port.node.name} reads {port.value.name} as {val.dtype} "

@@ -70,8 +70,7 @@ class BackendOptions:
 
     @classmethod
     def checked(cls, options: Mapping[str, Any] | None) -> BackendOptions:
-        if options is None:
-            options = {}
+        options = {} if options is None else options
         if not isinstance(options, Mapping):
             raise UsageError(f"options must be a dict, got {type(options).__name__}")
         unknown = sorted(set(options) - {*_REWRITE_OPTIONS, "inner"})

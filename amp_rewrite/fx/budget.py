@@ -216,40 +216,39 @@ def node_flops(node: Node, op_key: str) -> float:
 
 
 def _first_tensor(val: Any) -> torch.Tensor | None:
-    for leaf in torch.utils._pytree.tree_leaves(val):
-        if isinstance(leaf, torch.Tensor):
-            return leaf
-    return None
+    return next((t for t in torch.utils._pytree.tree_leaves(val) if isinstance(t, torch.Tensor)),
+                None)
 
 
 def _numel(t: torch.Tensor) -> float:
     return float(math.prod(size_hint(d) for d in t.shape))
 
 
+def _node_groups(amp) -> list:
+    """The groups of ``amp``'s view that are a node's (not a source's or an output's)."""
+    return [g for g in amp.view.graph.groups() if isinstance(g.key, tuple) and g.key[0] == "g"]
+
+
 def node_weights(amp, prepared: torch.fx.GraphModule) -> dict[str, float]:
     """FLOPs of every node the plan has a group for (the share's denominator)."""
     nodes = {n.name: n for n in prepared.graph.nodes}
-    return {g.name: node_flops(nodes[g.name], g.op_key) for g in amp.view.graph.groups()
-            if isinstance(g.key, tuple) and g.key[0] == "g" and g.name in nodes}
+    return {g.name: node_flops(nodes[g.name], g.op_key) for g in _node_groups(amp)
+            if g.name in nodes}
 
 
 def low_flop_share(amp, weights: Mapping[str, float]) -> float:
     """FLOPs of the nodes ``amp``'s plan runs low (any group low) over ``weights``' total."""
-    low = {g.name for g in amp.view.graph.groups() if g.name in weights
-           and isinstance(g.key, tuple) and g.key[0] == "g"
-           and amp.plan.precision(g.key) is Precision.LOW}
+    low = {g.name for g in _node_groups(amp)
+           if g.name in weights and amp.plan.precision(g.key) is Precision.LOW}
     total = sum(weights.values())
     return sum(weights[n] for n in low) / total if total else 1.0
 
 
 def _units(amp, prepared: torch.fx.GraphModule) -> dict[str, core_budget.Unit]:
     """Node name -> Unit for the nodes ``amp``'s plan runs low by the rules' choice."""
-    graph, plan = amp.view.graph, amp.plan
     low: dict[str, str] = {}
-    for g in graph.groups():
-        if not (isinstance(g.key, tuple) and g.key[0] == "g") or g.fixed is not None:
-            continue
-        if plan.precision(g.key) is Precision.LOW:
+    for g in _node_groups(amp):
+        if g.fixed is None and amp.plan.precision(g.key) is Precision.LOW:
             low.setdefault(g.name, g.op_key)
     nodes = {n.name: n for n in prepared.graph.nodes}
     return {name: core_budget.Unit(name, node_flops(nodes[name], op))
@@ -268,8 +267,7 @@ class _Recorder(torch.fx.Interpreter):
         out = super().run_node(n)
         name = n.args[0].name if n.meta.get(LOWERED_TAG) == "result" else n.name
         if name in self.names:
-            self.seen[name] = [t.detach().float() for t in torch.utils._pytree.tree_leaves(out)
-                               if isinstance(t, torch.Tensor) and t.is_floating_point()]
+            self.seen[name] = float_outputs(out)
         return out
 
 

@@ -81,8 +81,7 @@ def _positional_landing(module: torch.nn.Module, args: tuple) -> str:
     sig = _forward_signature(module)
     if len(args) < 2 or sig is None:
         return ""
-    names = list(sig.parameters)
-    landed = [f"#{i + 1} -> {name!r}" for i, name in enumerate(names[:len(args)])]
+    landed = [f"#{i + 1} -> {name!r}" for i, name in enumerate(list(sig.parameters)[:len(args)])]
     return (f" (positional example inputs bind in forward's order: {', '.join(landed)}; pass "
             "the others by keyword, example_kwargs={'attention_mask': ...})")
 
@@ -310,9 +309,7 @@ def _eager_error(module: torch.nn.Module, args: tuple, kwargs: dict) -> Exceptio
 
 def _user_construct(error: Exception) -> str:
     match = _USER_FRAME.search(str(error))
-    if not match:
-        return ""
-    return _location(*match.groups())
+    return _location(*match.groups()) if match else ""
 
 
 def _location(path: str, line: object, func: str, code: str | None) -> str:

@@ -37,11 +37,9 @@ def _replay(graph: PrecisionGraph, group, op_class: OpClass,
             replayed: dict[Hashable, Precision]) -> tuple[Precision, str]:
     if group.fixed is not None:
         return group.fixed, ""
-    if op_class in _LOW_CLASSES:
-        return Precision.LOW, ""
     if op_class in _HIGH_CLASSES:
         return Precision.HIGH, ""
-    if group.tvar == "out" and group.op_key in opkeys.RETYPABLE:
+    if op_class in _LOW_CLASSES or (group.tvar == "out" and group.op_key in opkeys.RETYPABLE):
         return Precision.LOW, ""
     high = _promoting_high_input(graph, group.key, replayed)
     if high is None:

@@ -21,6 +21,8 @@ FP8 operands (``EMULATED_DEVICES``); CUDA calls the kernel.
 from __future__ import annotations
 
 import fnmatch
+import math
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,7 +37,7 @@ from amp_rewrite.core.fp8 import MULTIPLE, Fp8Choice, Fp8Policy, Gemm, plan_fp8
 from amp_rewrite.fx.apply import insert_cast, retyped
 from amp_rewrite.fx.lowering import erase_node
 from amp_rewrite.fx.opkeys import size_hint, tensor_val
-from amp_rewrite.fx.view import is_cast
+from amp_rewrite.fx.view import finished, is_cast
 
 aten = torch.ops.aten
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -269,10 +271,7 @@ class Fp8Gemms(PassBase):
         chosen = [n for n in legal if choices[n].fp8]
         for node in chosen:
             self._retarget(graph, node, *legal[node])
-        if chosen:
-            graph.lint()
-            graph_module.recompile()
-        return PassResult(graph_module, bool(chosen))
+        return finished(graph_module, bool(chosen))
 
     def _refusal(self, node: Node) -> tuple[str, str] | None:
         """(dtype, why) for a GEMM that is not an FP8 candidate, else None (legality)."""
@@ -290,9 +289,7 @@ class Fp8Gemms(PassBase):
     def _gemm(node: Node, operands: tuple, training: bool) -> Gemm:
         x, w, _, transposed = operands
         xs, ws = tensor_val(x).shape, tensor_val(w).shape
-        m = 1
-        for d in xs[:-1]:
-            m *= size_hint(d)
+        m = math.prod(size_hint(d) for d in xs[:-1])
         n = size_hint(ws[1] if transposed else ws[0])
         weight = _fp32_source(w).op in ("get_attr", "placeholder")
         return Gemm(node, node.name, m, n, size_hint(xs[-1]), x, weight, training)
@@ -319,12 +316,10 @@ class Fp8Gemms(PassBase):
                 "bf16_us": choice.bf16_us, "fp8_us": choice.fp8_us}
 
     def report(self) -> dict:
-        counts: dict[str, int] = {}
-        for record in self.records:
-            counts[record["dtype"]] = counts.get(record["dtype"], 0) + 1
         return {"enabled": True, "scaling": self.options.scaling,
                 "grad_dtype": str(self.options.grad_dtype).removeprefix("torch."),
-                "counts": counts, "gemms": self.records}
+                "counts": dict(Counter(r["dtype"] for r in self.records)),
+                "gemms": self.records}
 
     def explanations(self) -> dict[str, str]:
         """Node name → the line ``explain`` adds: the GEMM's dtype, sizes and reason."""
@@ -356,10 +351,7 @@ class RestoreFp8Gemms(PassBase):
                 w = self._bf16_cast(graph, w, memo)
             node.target, node.kwargs = target, {}
             node.args = _restored_args(target, arity, x, w, bias)
-        if nodes:
-            graph.lint()
-            graph_module.recompile()
-        return PassResult(graph_module, bool(nodes))
+        return finished(graph_module, bool(nodes))
 
     @staticmethod
     def _bf16_cast(graph: torch.fx.Graph, value: Node, memo: dict) -> Node:

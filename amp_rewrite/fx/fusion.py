@@ -28,6 +28,7 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 from torch.fx.subgraph_rewriter import replace_pattern_with_filters
 
 from amp_rewrite.fx.opkeys import tensor_val
+from amp_rewrite.fx.view import finished
 
 aten = torch.ops.aten
 FUSED_TAG = "amp_rewrite_fused"  # node.meta key: the pattern a fused node replaced
@@ -57,13 +58,6 @@ def _gelu_tanh_traced(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.gelu(x, approximate="tanh")
 
 
-def _finish(gm: torch.fx.GraphModule, changed: bool) -> PassResult:
-    if changed:
-        gm.graph.lint()
-        gm.recompile()
-    return PassResult(gm, changed)
-
-
 class FuseTanhGelu(PassBase):
     """The spelled-out tanh GELU → ``gelu(x, approximate="tanh")`` (module docstring).
 
@@ -89,7 +83,7 @@ class FuseTanhGelu(PassBase):
                     new.meta[FUSED_TAG] = "tanh_gelu"
                     new.meta[FUSED_FROM] = "mul, pow, mul, add, mul, tanh, add, mul"
             count += len(replaced)
-        return _finish(graph_module, bool(count))
+        return finished(graph_module, bool(count))
 
 
 # --- helpers on ATen nodes ------------------------------------------------------------------
@@ -155,10 +149,7 @@ class _Match:
 
 def _private(match: _Match) -> bool:
     """No matched node other than the output is read outside the match."""
-    for node in match.nodes - {match.output}:
-        if any(u not in match.nodes for u in _readers(node)):
-            return False
-    return True
+    return all(u in match.nodes for node in match.nodes - {match.output} for u in _readers(node))
 
 
 def _replace(gm: torch.fx.GraphModule, match: _Match, target: Callable, args: tuple,
@@ -207,7 +198,7 @@ class _AnchoredFusion(PassBase):
             # a node an earlier fusion erased is no longer in the graph
             if node.graph is graph_module.graph and _is(node, *self.anchors):
                 count += self._fuse(graph_module, node)
-        return _finish(graph_module, bool(count))
+        return finished(graph_module, bool(count))
 
     @abc.abstractmethod
     def _fuse(self, gm: torch.fx.GraphModule, anchor: Node) -> int:
@@ -332,10 +323,8 @@ class FuseAttention(_AnchoredFusion):
         """One additive mask from the added masks and the masked fills, in graph order."""
         total = None
         for kind, args in masks:
-            if kind == "fill":
-                term = gm.graph.call_function(aten.where.Scalar, (args[0], args[1], 0.0))
-            else:
-                term = args[0]
+            term = (gm.graph.call_function(aten.where.Scalar, (args[0], args[1], 0.0))
+                    if kind == "fill" else args[0])
             total = term if total is None else gm.graph.call_function(aten.add.Tensor,
                                                                        (total, term))
         return total
@@ -464,9 +453,7 @@ def _keepdim(mean: Node) -> bool:
 
 
 def _squared(node: Node) -> Node | None:
-    if _is(node, aten.pow.Tensor_Scalar) and node.args[1] == 2:
-        return node.args[0]
-    if _is(node, aten.square.default):
+    if (_is(node, aten.pow.Tensor_Scalar) and node.args[1] == 2) or _is(node, aten.square.default):
         return node.args[0]
     if _is(node, aten.mul.Tensor) and len(node.args) == 2 and node.args[0] is node.args[1]:
         return node.args[0]

@@ -16,6 +16,7 @@ import re
 
 import torch
 from torch.fx import Node
+from torch.fx.node import map_aggregate
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from amp_rewrite.core import OpClass, RuleSet
@@ -96,12 +97,9 @@ class ConvertForeignFloats(PassBase):
 
     def _foreign_outputs(self, gm: torch.fx.GraphModule) -> list[tuple[Node, int]]:
         output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-        found = []
-        for i, (_, arg) in enumerate(tensor_args(output)):
-            if _dtype(arg) == self.foreign and not arg.meta.get(FOREIGN_TAG) \
-                    and arg.op != "placeholder":
-                found.append((output, i))
-        return found
+        return [(output, i) for i, (_, arg) in enumerate(tensor_args(output))
+                if _dtype(arg) == self.foreign and not arg.meta.get(FOREIGN_TAG)
+                and arg.op != "placeholder"]
 
     @staticmethod
     def _convert_reads(graph: torch.fx.Graph, node: Node, dtype: torch.dtype) -> None:
@@ -164,24 +162,21 @@ _MAX_PROBE_ELEMENTS = 1 << 24  # larger inputs are not materialised; such ops st
 
 
 def mark_missing_low_kernels(gm: torch.fx.GraphModule, low: torch.dtype, rules: RuleSet,
-                             device: str) -> list[str]:
-    """Mark (``NO_LOW_KERNEL``) the ops that cannot run in ``low`` on ``device``; names them."""
+                             device: str) -> None:
+    """Mark (``NO_LOW_KERNEL``) the ops that cannot run in ``low`` on ``device``."""
     if device != "cpu":
-        return []  # CUDA kernels cover fp16/bf16 for every op its autocast lists
-    marked = []
+        return  # CUDA kernels cover fp16/bf16 for every op its autocast lists
     for node in gm.graph.nodes:
         target = _probe_target(node, gm)
         if target is None or is_cast(node):
             continue
         key = opkeys.op_key(node, gm)
-        if not any(_dtype(arg) == torch.float32 or _dtype(arg) == low
-                   for _, arg in tensor_args(node)):
+        if not any(_dtype(arg) in (torch.float32, low) for _, arg in tensor_args(node)):
             continue
         op_class = rules.class_of(key)
         if op_class in _PROBED_CLASSES and _lacks_low_kernel(node, target, low):
             node.meta[NO_LOW_KERNEL] = (f"{key} has no {low} kernel on CPU (probed), so it "
                                         "runs in float32")
-            marked.append(node.name)
         elif op_class is OpClass.ALLOW and key.startswith("conv"):
             error = _low_conv_error(node, target, low)
             if error is not None and error > _WRONG_KERNEL_ULPS * torch.finfo(low).eps:
@@ -189,8 +184,6 @@ def mark_missing_low_kernels(gm: torch.fx.GraphModule, low: torch.dtype, rules: 
                     f"{key}: this CPU's {low} kernel computes wrong results for this shape "
                     f"(probed: relative error {error:.2g} against float32 on the same "
                     "rounded operands), so it runs in float32")
-                marked.append(node.name)
-    return marked
 
 
 # A right low kernel differs from float32 on the same rounded operands by a few units of
@@ -209,8 +202,6 @@ def _low_conv_error(node: Node, target: object, low: torch.dtype) -> float | Non
     key = (target, low, _shape_key((args, kwargs)))
     if key in _CONV_ERRORS:
         return _CONV_ERRORS[key]
-    from torch.fx.node import map_aggregate
-
     generator = torch.Generator().manual_seed(0)
 
     def draw(arg: object) -> object:
@@ -237,10 +228,8 @@ def _low_conv_error(node: Node, target: object, low: torch.dtype) -> float | Non
 
 
 def _shape_key(tree: object) -> tuple:
-    from torch.utils._pytree import tree_leaves
-
     return tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a
-                 for a in tree_leaves(tree))
+                 for a in torch.utils._pytree.tree_leaves(tree))
 
 
 def _is_torch_op(target: object) -> bool:
@@ -273,8 +262,7 @@ def _lacks_low_kernel(node: Node, target: object, low: torch.dtype) -> bool:
     args = _probe_arguments(node, low)
     if args is None:
         return False
-    answer = _probe(target, low, *args)
-    _PROBES[key] = answer
+    answer = _PROBES[key] = _probe(target, low, *args)
     return answer
 
 
@@ -300,8 +288,6 @@ def _probe_arguments(node: Node, low: torch.dtype) -> tuple[tuple, dict] | None:
             return None
         dtype = low if val.dtype in (torch.float32, low) else val.dtype
         return torch.zeros(shape, dtype=dtype)
-
-    from torch.fx.node import map_aggregate
 
     args = map_aggregate(node.args, materialise)
     kwargs = map_aggregate(node.kwargs, materialise)

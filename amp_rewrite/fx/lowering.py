@@ -28,8 +28,9 @@ import torch
 from torch.fx import Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-from amp_rewrite.fx.apply import retyped
+from amp_rewrite.fx.apply import retyped, source_meta
 from amp_rewrite.fx.opkeys import size_hint, tensor_val
+from amp_rewrite.fx.view import finished
 
 logger = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -182,9 +183,7 @@ def _cast(graph: torch.fx.Graph, value: Node, dtype: torch.dtype, role: str,
                                  {"dtype": dtype}, name=f"{value.name}_{_SHORT[dtype]}")
     node.meta["val"] = retyped(tensor_val(value), dtype, memo)
     node.meta[LOWERED_TAG] = role
-    for key in ("nn_module_stack", "stack_trace"):
-        if key in value.meta:
-            node.meta[key] = value.meta[key]
+    node.meta.update(source_meta(value))
     return node
 
 
@@ -226,10 +225,7 @@ class EmulateLowKernels(PassBase):
                 user.replace_input_with(node, rounded)
             op = str(node.target).split(".")[1]
             self.lowered[op] = self.lowered.get(op, 0) + 1
-        if self.lowered:
-            graph.lint()
-            graph_module.recompile()
-        return PassResult(graph_module, bool(self.lowered))
+        return finished(graph_module, bool(self.lowered))
 
 
 class RestoreLowKernels(PassBase):
@@ -252,10 +248,7 @@ class RestoreLowKernels(PassBase):
             node.meta["val"] = node.meta.pop(_LOW_VAL)
             del node.meta[LOWERED_TAG]
             node.meta.pop(_WHY, None)
-        if kernels:
-            graph.lint()
-            graph_module.recompile()
-        return PassResult(graph_module, bool(kernels))
+        return finished(graph_module, bool(kernels))
 
 
 def erase_node(graph: torch.fx.Graph, node: Node) -> None:

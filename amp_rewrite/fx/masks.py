@@ -55,21 +55,15 @@ def bounds(arg: object) -> Bounds:
     if target in _SUB:
         (lo_a, hi_a), (lo_b, hi_b) = bounds(args[0]), bounds(args[1])
         return lo_a - hi_b, hi_a - lo_b
-    if target in _COMPARE:
-        return _compare(_COMPARE[target], bounds(args[0]), float(args[1]))
+    if target in _COMPARE:  # true at both ends: true for every value between
+        (lo, hi), compare, scalar = bounds(args[0]), _COMPARE[target], float(args[1])
+        return (1.0, 1.0) if compare(lo, scalar) and compare(hi, scalar) else (0.0, 1.0)
     if target in _AND:
         (lo_a, hi_a), (lo_b, hi_b) = bounds(args[0]), bounds(args[1])
         return (1.0, 1.0) if min(lo_a, lo_b) >= 1 and max(hi_a, hi_b) <= 1 else (0.0, 1.0)
     if target in _OR:
         return (1.0, 1.0) if max(bounds(args[0])[0], bounds(args[1])[0]) >= 1 else (0.0, 1.0)
     return _UNKNOWN
-
-
-def _compare(op: object, value: Bounds, scalar: float) -> Bounds:
-    lo, hi = value
-    if op(lo, scalar) and op(hi, scalar):  # both ends true: every value between is too
-        return 1.0, 1.0
-    return 0.0, 1.0
 
 
 def masks_nothing(mask: Node) -> bool:

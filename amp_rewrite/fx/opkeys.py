@@ -85,9 +85,7 @@ def size_hint(dim: int | torch.SymInt) -> int:
 
 def strip_inplace(name: str) -> str:
     """``add_`` → ``add``; dunders such as ``__and__`` stay as they are."""
-    if name.endswith("_") and not name.endswith("__"):
-        return name[:-1]
-    return name
+    return name[:-1] if name.endswith("_") and not name.endswith("__") else name
 
 
 def is_aten_name(name: str) -> bool:
@@ -191,10 +189,8 @@ def set_explicit_dtype(node: torch.fx.Node, dtype: torch.dtype) -> None:
 
 
 def _schema_index(op: torch._ops.OpOverload, name: str) -> int | None:
-    for i, arg in enumerate(op._schema.arguments):
-        if arg.name == name and not arg.kwarg_only:
-            return i
-    return None
+    return next((i for i, arg in enumerate(op._schema.arguments)
+                 if arg.name == name and not arg.kwarg_only), None)
 
 
 # Conversions and factories: their dtype argument only says how the result is stored, so the

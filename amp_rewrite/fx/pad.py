@@ -13,7 +13,6 @@ pad amount (decision 0019). A second run finds every padded dim aligned and chan
 """
 from __future__ import annotations
 
-
 import torch
 from torch.fx import Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
@@ -21,9 +20,9 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 from amp_rewrite.core.padding import (AxisPad, PadGraph, PadInput, PadKind, PadOp,
                                       PaddingPlan, PadPolicy, PadValue, padding_report,
                                       plan_padding)
-from amp_rewrite.fx.apply import insert_cast
+from amp_rewrite.fx.apply import after_producer, insert_cast, source_meta
 from amp_rewrite.fx.opkeys import tensor_val
-from amp_rewrite.fx.view import is_cast
+from amp_rewrite.fx.view import finished, is_cast
 
 aten = torch.ops.aten
 _LOW = (torch.float16, torch.bfloat16)
@@ -47,9 +46,7 @@ def _packet(node: Node) -> object | None:
 
 def _shape(node: Node) -> tuple | None:
     val = tensor_val(node)
-    if val is None:
-        return None
-    return tuple(_static(d) for d in val.shape)
+    return None if val is None else tuple(_static(d) for d in val.shape)
 
 
 def _static(dim: int | torch.SymInt) -> int | str:
@@ -98,9 +95,7 @@ class PadGemms(PassBase):
         if self.plan.is_empty():
             return PassResult(graph_module, False)
         _Applier(graph_module.graph, self.plan, self).run()
-        graph_module.graph.lint()
-        graph_module.recompile()
-        return PassResult(graph_module, True)
+        return finished(graph_module, True)
 
     def report(self) -> dict:
         return {**padding_report(self.plan or PaddingPlan.empty(self.policy)), "weights_padded": self.weights_padded,
@@ -246,7 +241,7 @@ class _Applier:
             with self.graph.inserting_after(value):
                 node = self.graph.call_function(aten.slice.Tensor,
                                                 (value, pad.axis, 0, pad.size))
-            node.meta.update(_meta(value))
+            node.meta.update(source_meta(value))
             self.owner.slices_inserted += 1
             self.versions[key] = node
         return self.versions[key]
@@ -257,9 +252,7 @@ class _Applier:
         if is_cast(base) and set(base.kwargs) == {"dtype"}:
             padded = self._pad(base.args[0], value, pads)
             return insert_cast(self.graph, padded, base.kwargs["dtype"])
-        node = base
-        if node.op == "placeholder":  # placeholders stay together at the top
-            node = [n for n in self.graph.nodes if n.op == "placeholder"][-1]
+        node = after_producer(self.graph, base)
         for fill, group in _by_fill(pads):
             rank = _rank(value)
             widths = [0] * (2 * (rank - min(p.axis for p in group)))
@@ -268,7 +261,7 @@ class _Applier:
             with self.graph.inserting_after(node):
                 node = self.graph.call_function(aten.constant_pad_nd.default,
                                                 (base, widths, fill))
-            node.meta.update(_meta(value))
+            node.meta.update(source_meta(value))
             base = node
         if _is_constant(value):
             self.owner.weights_padded += 1
@@ -282,8 +275,3 @@ def _by_fill(pads: tuple[AxisPad, ...]) -> list[tuple[float, list[AxisPad]]]:
     for p in pads:
         groups.setdefault(p.fill, []).append(p)
     return list(groups.items())
-
-
-def _meta(value: Node) -> dict:
-    """Module path and stack of the value the new node pads or slices (for reports)."""
-    return {k: value.meta[k] for k in ("nn_module_stack", "stack_trace") if k in value.meta}

@@ -28,7 +28,7 @@ from amp_rewrite.fx import opkeys
 from amp_rewrite.fx.apply import ApplyResult, apply_plan, check_applied, retype_values
 from amp_rewrite.fx.floor import autocast_pins
 from amp_rewrite.fx.fp8 import Fp8Options
-from amp_rewrite.fx.view import FxView, alias_set, build_view, resolve
+from amp_rewrite.fx.view import FxView, alias_set, build_view, finished, resolve
 from amp_rewrite.runtime import listed
 
 log = logging.getLogger(__name__)
@@ -63,15 +63,11 @@ class InlineModules(PassBase):
     """Parameterised leaf ``call_module`` nodes → functional calls on ``get_attr`` parameters."""
 
     def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
-        graph = graph_module.graph
-        nodes = [n for n in graph.nodes if n.op == "call_module"
+        nodes = [n for n in graph_module.graph.nodes if n.op == "call_module"
                  and _can_inline(graph_module.get_submodule(n.target))]
         for node in nodes:
             self._inline(graph_module, node)
-        if nodes:
-            graph.lint()
-            graph_module.recompile()
-        return PassResult(graph_module, bool(nodes))
+        return finished(graph_module, bool(nodes))
 
     @staticmethod
     def _inline(gm: torch.fx.GraphModule, node: Node) -> None:
@@ -109,10 +105,7 @@ class FunctionalizeInPlace(PassBase):
                 changed += _make_functional(node)
                 for user in later:  # they read the written tensor: now the op's result
                     user.replace_input_with(written, node)
-        if changed:
-            graph_module.graph.lint()
-            graph_module.recompile()
-        return PassResult(graph_module, bool(changed))
+        return finished(graph_module, bool(changed))
 
     def _later_readers(self, gm: torch.fx.GraphModule, node: Node,
                        order: dict[Node, int]) -> list[Node] | None:
@@ -289,8 +282,6 @@ class MixedPrecisionPass(PassBase):
 def _budget_pins(view: FxView, pinned: Mapping[str, str]) -> dict:
     """Group key -> reason for the groups of the nodes the accuracy budget pinned; groups
     the view fixed keep their precision (a conversion's output keeps the dtype asked for)."""
-    if not pinned:
-        return {}
     return {g.key: pinned[g.name] for g in view.graph.groups()
             if g.fixed is None and g.name in pinned}
 

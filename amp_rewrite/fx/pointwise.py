@@ -27,6 +27,7 @@ from torch.fx.passes.operator_support import OperatorSupportBase
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 
 from amp_rewrite.errors import described
+from amp_rewrite.fx.view import finished, static_numel
 
 log = logging.getLogger(__name__)
 
@@ -58,15 +59,11 @@ def is_fusible(node: Node) -> bool:
     if target in _CASTS:
         if set(node.kwargs) - {"dtype"}:
             return False
-    elif target in _COMPOSITES:
-        pass
-    elif torch.Tag.pointwise not in target.tags or torch.Tag.nondeterministic_seeded in \
-            target.tags or target._schema.is_mutable:
+    elif target not in _COMPOSITES and (torch.Tag.pointwise not in target.tags
+                                        or torch.Tag.nondeterministic_seeded in target.tags
+                                        or target._schema.is_mutable):
         return False
-    if not isinstance(node.meta.get("val"), torch.Tensor):
-        return False
-    args = [a for a in node.all_input_nodes]
-    return all(isinstance(a.meta.get("val"), torch.Tensor) for a in args)
+    return all(isinstance(n.meta.get("val"), torch.Tensor) for n in (node, *node.all_input_nodes))
 
 
 class _Pointwise(OperatorSupportBase):
@@ -256,15 +253,8 @@ def saved_bytes(region: Sequence[Node]) -> int:
 
 def _example_bytes(node: Node) -> int:
     val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor):
-        return 0
-    numel = 1
-    for dim in val.shape:
-        hint = dim if isinstance(dim, int) else getattr(dim.node, "hint", None)
-        if not isinstance(hint, int):
-            return 0  # unknown size: counted as saving nothing
-        numel *= hint
-    return numel * val.element_size()
+    numel = static_numel(val) if isinstance(val, torch.Tensor) else None
+    return 0 if numel is None else numel * val.element_size()  # unknown size: saves nothing
 
 
 class FusePointwise(PassBase):
@@ -304,9 +294,7 @@ class FusePointwise(PassBase):
             region.signature = structure(region.region)
             _name_outputs(node)
             self.regions.append(region.signature)
-        graph_module.graph.lint()
-        graph_module.recompile()
-        return PassResult(graph_module, True)
+        return finished(graph_module, True)
 
     def summary(self) -> dict[str, int]:
         """``compile`` is the regions' one-time Inductor cost, filled in as they first run:
@@ -402,15 +390,11 @@ class UnfuseRegions(PassBase):
     """``FusedRegion`` calls → their ops inlined back (a second rewrite sees the flat graph)."""
 
     def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
-        graph = graph_module.graph
-        calls = [n for n in graph.nodes if n.op == "call_module"
+        calls = [n for n in graph_module.graph.nodes if n.op == "call_module"
                  and isinstance(graph_module.get_submodule(n.target), FusedRegion)]
         for node in calls:
             _inline(graph_module, node)
-        if calls:
-            graph.lint()
-            graph_module.recompile()
-        return PassResult(graph_module, bool(calls))
+        return finished(graph_module, bool(calls))
 
 
 def _inline(gm: torch.fx.GraphModule, call: Node) -> None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.fx import Node
+from torch.fx.passes.infra.pass_base import PassResult
 
 from amp_rewrite.core import GroupInfo, OpClass, Precision, PrecisionGraph
 from amp_rewrite.core.precision import einsum_sums_over_nothing, integer_conversion_reason
@@ -136,6 +137,14 @@ def _dtype(node: Node) -> torch.dtype | None:
 
 def is_cast(node: Node) -> bool:
     return bool(node.meta.get(CAST_TAG))
+
+
+def finished(gm: torch.fx.GraphModule, changed: bool) -> PassResult:
+    """A pass's result; a changed graph is linted and recompiled first."""
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+    return PassResult(gm, changed)
 
 
 def resolve(arg: Node) -> Node:
@@ -379,7 +388,7 @@ class _Builder:
             info = GroupInfo(spec.key, spec.node, spec.node.name, spec.op_key, fixed=spec.fixed,
                              reason=spec.reason, op_class=spec.op_class, tvar=spec.tvar,
                              promotes=spec.tvar == "T" and spec.op_key in opkeys.PROMOTING)
-            graph.add_group(info, inputs=_unique(p.value for p in spec.ports),
+            graph.add_group(info, inputs=list(dict.fromkeys(p.value for p in spec.ports)),
                             outputs=spec.outputs)
             ports[spec.key] = spec.ports
             for v in spec.outputs:
@@ -395,19 +404,13 @@ class _Builder:
         precision = self.precision_of(node)
         if node.op == "placeholder":
             reason = "graph input: its dtype is the caller's"
-        elif id(self._attr(node)) in self.params:
+        elif id(operator.attrgetter(node.target)(self.gm)) in self.params:
             reason = "parameter: the FP32 master weight stays; it is cast in-graph per forward"
         else:
             reason = "buffer or constant: stored as is"
         key = ("src", node)
         graph.add_source(key, node, name=node.name, fixed=precision, reason=reason)
         self.values[node] = key
-
-    def _attr(self, node: Node) -> object:
-        obj = self.gm
-        for part in node.target.split("."):
-            obj = getattr(obj, part)
-        return obj
 
     def _add_sinks(self, graph: PrecisionGraph, ports: dict[Hashable, list[Port]]) -> None:
         output = next(n for n in reversed(self.gm.graph.nodes) if n.op == "output")
@@ -424,10 +427,6 @@ class _Builder:
             graph.add_sink(("sink", i), value, name=f"output_{i}", fixed=fixed,
                            reason="graph output: keep_io_types keeps its dtype")
             ports[("sink", i)] = [Port(output, path, value)]
-
-
-def _unique(values: Iterator[Node]) -> list[Node]:
-    return list(dict.fromkeys(values))
 
 
 def alias_set(value: Node, gm: torch.fx.GraphModule) -> set[Node]:

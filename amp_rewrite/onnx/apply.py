@@ -293,10 +293,12 @@ def _insert_cast(view: OnnxView, cast: CastPlan, low_ir, namer: _Namer,
     target = _dtype(cast.to, low_ir)
     source = view.sources.get(("source", value))
     from_dtype = value.dtype
+    suffix = "f32" if target == ir.DataType.FLOAT else ir.DataType(target).name.lower()
+    name = namer(f"{value.name}_{suffix}")
     if source is not None and _stored_array(value, source[2]):
-        new, kind = _constant_copy(view, source, target, namer, stats), "constant copy"
+        new, kind = _constant_copy(view, source, target, name, stats), "constant copy"
     else:
-        new, kind = _cast_node(value, target, namer, cast, source), "Cast"
+        new, kind = _cast_node(value, target, name, cast, source), "Cast"
         stats.casts_inserted += 1
     _rewire(view, cast.consumers, value, new, namer)
     # after rewiring: a cast feeding a graph output takes the output's name
@@ -306,20 +308,17 @@ def _insert_cast(view: OnnxView, cast: CastPlan, low_ir, namer: _Namer,
 def _cast_record(view: OnnxView, cast: CastPlan, value: ir.Value, from_dtype, new: ir.Value,
                  kind: str) -> dict:
     """What the report says of one inserted cast; consumers by node (or graph output) name."""
-    consumers = []
-    for key in cast.consumers:
-        if key in view.sinks:
-            g, index = view.sinks[key]
-            consumers.append(f"graph output {g.outputs[index].name}")
-        else:
-            consumers.append(_consumer_name(view, key))
     return {"value": value.name, "from": from_dtype.name.lower() if from_dtype else None,
             "to": new.dtype.name.lower() if new.dtype else None, "kind": kind,
-            "cast_value": new.name, "consumers": consumers}
+            "cast_value": new.name, "consumers": [_consumer_name(view, k) for k in cast.consumers]}
 
 
 def _consumer_name(view: OnnxView, key) -> str:
-    """A node group's node name (op type if unnamed); a control-flow tie's node and port."""
+    """A graph output's name; a node group's node name (op type if unnamed); a control-flow
+    tie's node and port."""
+    if key in view.sinks:
+        g, index = view.sinks[key]
+        return f"graph output {g.outputs[index].name}"
     if key in view.groups:
         node = view.groups[key][0]
         return node.name or node.op_type
@@ -327,11 +326,9 @@ def _consumer_name(view: OnnxView, key) -> str:
     return f"{node.name or node.op_type} (boundary {index})"
 
 
-def _constant_copy(view: OnnxView, source, target: ir.DataType, namer: _Namer,
+def _constant_copy(view: OnnxView, source, target: ir.DataType, name: str,
                    stats) -> ir.Value:
     g, value, node = source
-    suffix = "f32" if target == ir.DataType.FLOAT else ir.DataType(target).name.lower()
-    name = namer(f"{value.name}_{suffix}")
     tensor = _converted(view, value, node, target, name, stats)
     stats.constant_copies += 1
     new = ir.Value(name=name, shape=value.shape, type=ir.TensorType(target),
@@ -340,10 +337,8 @@ def _constant_copy(view: OnnxView, source, target: ir.DataType, namer: _Namer,
     return new
 
 
-def _cast_node(value: ir.Value, target: ir.DataType, namer: _Namer, cast: CastPlan,
+def _cast_node(value: ir.Value, target: ir.DataType, out_name: str, cast: CastPlan,
                source) -> ir.Value:
-    suffix = "f32" if target == ir.DataType.FLOAT else ir.DataType(target).name.lower()
-    out_name = namer(f"{value.name}_{suffix}")
     out = ir.Value(name=out_name, type=ir.TensorType(target),
                    shape=value.shape.copy() if value.shape is not None else None)
     node = ir.Node("", "Cast", [value], [ir.AttrInt64("to", target)], outputs=[out],
@@ -372,14 +367,13 @@ def _rewire(view: OnnxView, consumers: tuple[Hashable, ...], old: ir.Value, new:
     for key in consumers:
         if key in view.sinks:
             _rewire_output(view.sinks[key], old, new, namer)
-            continue
-        if key in view.ties:
+        elif key in view.ties:
             _rewire_tie(*view.ties[key], old, new)
-            continue
-        node, pg = view.groups[key]
-        for i in pg.inputs:
-            if node.inputs[i] is old:
-                node.replace_input_with(i, new)
+        else:
+            node, pg = view.groups[key]
+            for i in pg.inputs:
+                if node.inputs[i] is old:
+                    node.replace_input_with(i, new)
 
 
 def _rewire_tie(node: ir.Node, tie, old: ir.Value, new: ir.Value) -> None:

@@ -412,15 +412,9 @@ def _relax_candidates(pass_, default, emulator) -> dict[str, list]:
     and its ops are light."""
     calibrated = set(pass_.option_pins[0])
     duplicated = _duplicate_names(pass_)
-    groups: dict[str, list] = {}
-    for key, (node, _) in pass_.view.groups.items():
-        d = default.decisions[key]
-        if key not in emulator.flags or not node.name or node.name in duplicated \
-                or pass_.view.graph.group(key).fixed is not None or d.precision is Precision.LOW:
-            continue
-        if key in calibrated:
-            groups.setdefault(node.name, []).append(key)
-    return groups
+    groups = _node_groups(pass_, emulator, lambda key: key in calibrated
+                          and default.decisions[key].precision is not Precision.LOW)
+    return {name: keys for name, keys in groups.items() if name not in duplicated}
 
 
 def _weight(emulator, name: str, shapes) -> float:
@@ -443,19 +437,21 @@ def _warn_unmeasured_bodies(pass_, default, emulator: Emulator) -> None:
 def _units(pass_, default, emulator: Emulator, shapes) -> tuple[dict, dict]:
     """(node name -> Unit, node name -> its group keys) for the main-graph
     nodes the default plan runs low by the rules' choice; FLOPs from one FP32 run."""
-    graph = pass_.view.graph
-    groups: dict[str, list] = {}
-    for key, (node, _) in pass_.view.groups.items():
-        if key not in emulator.flags or not node.name:
-            continue
-        if graph.group(key).fixed is not None:
-            continue
-        groups.setdefault(node.name, []).append(key)
+    groups = _node_groups(pass_, emulator)
     low = {n for n, ks in groups.items() if any(default.precision(k) is Precision.LOW for k in ks)}
-    duplicated = _duplicate_names(pass_)
-    names_ = sorted(low - duplicated)
+    names_ = sorted(low - _duplicate_names(pass_))
     units = {name: core_budget.Unit(name, _weight(emulator, name, shapes)) for name in names_}
     return units, {n: groups[n] for n in names_}
+
+
+def _node_groups(pass_, emulator: Emulator, wanted=lambda key: True) -> dict[str, list]:
+    """Node name -> its ``wanted`` group keys (main graph, named nodes, not adapter-fixed)."""
+    groups: dict[str, list] = {}
+    for key, (node, _) in pass_.view.groups.items():
+        if key in emulator.flags and node.name and pass_.view.graph.group(key).fixed is None \
+                and wanted(key):
+            groups.setdefault(node.name, []).append(key)
+    return groups
 
 
 def _duplicate_names(pass_) -> set[str]:

@@ -6,7 +6,7 @@ import functools
 import logging
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,9 +62,7 @@ logging.getLogger("onnx_ir.passes.common.shape_inference").addFilter(_OneLine())
 
 def model_graphs(model: ir.Model, flat: bool = False) -> list[ir.Graph]:
     """The model's graph and subgraphs; no walk for a model ``LoadInfo.flat`` at load."""
-    if flat:
-        return [model.graph]
-    return list(walk_graphs(model.graph))
+    return [model.graph] if flat else list(walk_graphs(model.graph))
 
 
 def walk_graphs(graph: ir.Graph) -> Iterator[ir.Graph]:
@@ -262,8 +260,7 @@ def _repair_fields(obj, fields: tuple[str, ...]) -> int:
             count += 1
     props = getattr(obj, "metadata_props", None)
     if props and any(type(k) is bytes or type(v) is bytes for k, v in props.items()):
-        fixed = {text(k): text(v)
-                 for k, v in props.items()}
+        fixed = {text(k): text(v) for k, v in props.items()}
         count += len(props)
         props.clear()
         props.update(fixed)
@@ -513,9 +510,7 @@ def release(model: ir.Model, flat: bool = False) -> bool:
 def unlink_graph(graph: ir.Graph) -> None:
     # cut every cycle once: node <-> values, graph, attributes; graph <-> I/O; list boxes
     nodes = graph._nodes
-    for node in nodes:
-        node._inputs = node._outputs = ()
-        node._graph = node._attributes._owner = None
+    unlink_nodes(nodes)
     for value in (*graph.inputs, *graph.outputs, *graph.initializers.values()):
         value._graph = None
     for container in (graph._inputs, graph._outputs, graph._initializers):
@@ -524,6 +519,14 @@ def unlink_graph(graph: ir.Graph) -> None:
         box.prev = None
     nodes._value_ids_to_boxes = {}
     nodes._root.next = nodes._root.prev = nodes._root.owning_list = None
+
+
+def unlink_nodes(nodes: Iterable[ir.Node]) -> None:
+    """Cut the node <-> value and node <-> attribute cycles of nodes no graph uses any more
+    (``release``; the fusion step's dropped nodes), so reference counting frees them."""
+    for node in nodes:
+        node._inputs = node._outputs = ()
+        node._graph = node._attributes._owner = None
 
 
 def had_external_data(model: ir.Model) -> bool:

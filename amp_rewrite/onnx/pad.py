@@ -346,7 +346,7 @@ class _Applier:
         """Pad the initializer at the root of ``value``'s chain; retype the chain."""
         producer = value.producer()
         if producer is not None:
-            self._pad_in_place(producer.inputs[0], _back(producer, pads))
+            self._pad_in_place(producer.inputs[0], _through(producer, pads, back=True))
         else:
             array = _padded_array(value.const_value.numpy(), pads)
             value.const_value = ir.Tensor(array, name=value.name)
@@ -474,20 +474,13 @@ def _perm(node: ir.Node) -> list[int]:
     return list(perm) if perm is not None else list(reversed(range(rank)))
 
 
-def _through(node: ir.Node, pads: tuple[AxisPad, ...]) -> tuple[AxisPad, ...]:
-    """Input pads → output pads of a chain step."""
+def _through(node: ir.Node, pads: tuple[AxisPad, ...], back: bool = False
+             ) -> tuple[AxisPad, ...]:
+    """Input pads → output pads of a chain step (``back``: output pads → input pads)."""
     if _chain_step(node) == "Cast":
         return pads
     perm = _perm(node)
-    return tuple(p._replace(axis=perm.index(p.axis)) for p in pads)
-
-
-def _back(node: ir.Node, pads: tuple[AxisPad, ...]) -> tuple[AxisPad, ...]:
-    """Output pads → input pads of a chain step."""
-    if _chain_step(node) == "Cast":
-        return pads
-    perm = _perm(node)
-    return tuple(p._replace(axis=perm[p.axis]) for p in pads)
+    return tuple(p._replace(axis=perm[p.axis] if back else perm.index(p.axis)) for p in pads)
 
 
 def is_constant(value: ir.Value) -> bool:

@@ -149,8 +149,7 @@ class MultiHeadAttention(OpRun):
         if attention_bias is not None:
             scores = scores + _f32(attention_bias)
         scores = self._masked(scores, key_padding_mask, mask_filter_value, unidirectional)
-        scores = scores - scores.max(axis=-1, keepdims=True)
-        weights = np.exp(scores)
+        weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
         weights /= weights.sum(axis=-1, keepdims=True)
         out = np.matmul(weights, v)  # (B, N, S, Hv)
         b, n, s, hv = out.shape
@@ -279,8 +278,7 @@ class GroupQueryAttention(_OmitsOutputs):
             scores = np.matmul(q[i], np.swapaxes(keys, -1, -2)) * scale  # (N, S, T_b)
             seen = np.minimum(past_i + np.arange(s) + 1, valid)  # keys each query row sees
             scores = np.where(np.arange(valid)[None, :] < seen[:, None], scores, -np.inf)
-            scores = scores - scores.max(axis=-1, keepdims=True)
-            weights = np.exp(scores)
+            weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
             weights /= weights.sum(axis=-1, keepdims=True)
             out[i] = np.matmul(weights, values)
         result = out.transpose(0, 2, 1, 3).reshape(b, s, n * head).astype(query.dtype)

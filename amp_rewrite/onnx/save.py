@@ -309,5 +309,3 @@ def _check_saved(path: Path) -> None:
     except Exception as e:
         raise OutputCheckError(f"internal error: the rewritten model fails the ONNX checker: "
                          f"{first_line(e)}") from e
-
-

@@ -55,22 +55,15 @@ def lowest_ir_version(model: ir.Model, flat: bool = False) -> int:
     """The lowest IR version ``model``'s opsets and element types allow, never below
     min(the model's own, SAFE_FLOOR); the model's own where a feature is too new to judge.
     ``flat``: the model has no subgraph (``LoadInfo.flat``)."""
-    return lowest_ir_version_for(model.ir_version, model.opset_imports,
-                                 lambda: _model_dtypes(model, flat))
-
-
-def lowest_ir_version_for(own: int, opset_imports: Mapping[str, int],
-                          dtypes: Callable[[], set[ir.DataType]]) -> int:
-    """``lowest_ir_version`` from a model's own IR version, its opset imports and the
-    element types it uses (``dtypes``, called only where they decide)."""
-    opsets = [onnx.helper.make_opsetid(d, v) for d, v in opset_imports.items()]
+    own = model.ir_version
+    opsets = [onnx.helper.make_opsetid(d, v) for d, v in model.opset_imports.items()]
     try:
         by_opset = onnx.helper.find_min_ir_version_for(opsets, ignore_unknown=True)
     except ValueError:  # an ai.onnx opset newer than this onnx knows
         return own
     if own <= max(by_opset, SAFE_FLOOR):
         return max(own, by_opset)  # nothing to lower: skip the scan of every value's dtype
-    by_dtype = dtype_ir_version(dtypes())
+    by_dtype = dtype_ir_version(_model_dtypes(model, flat))
     if by_dtype is None:
         return own
     need = max(by_opset, by_dtype)

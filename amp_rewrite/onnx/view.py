@@ -173,10 +173,10 @@ def _add_sources(view: OnnxView, g: ir.Graph, low_ir: ir.DataType, is_main: bool
             _source(view, g, v, None, Precision.HIGH if wide else None, wide or "")
 
 
-def _source(view, g, v, node, fixed, reason) -> None:
+def _source(view, g, v, node, fixed, reason, name: str = "") -> None:
     key = ("source", v)
     view.sources[key] = (g, v, node)
-    view.graph.add_source(key, v, name=v.name or "", fixed=fixed,
+    view.graph.add_source(key, v, name=name or v.name or "", fixed=fixed,
                           reason=reason if fixed else "")
 
 
@@ -335,10 +335,7 @@ def _add_constant(view: OnnxView, node: ir.Node, low_ir: ir.DataType) -> None:
     wide = _wide(view, out, node.attributes["value"].value) if convertible else None
     if wide:
         fixed, reason = Precision.HIGH, wide
-    key = ("source", out)
-    view.sources[key] = (node.graph, out, node)
-    view.graph.add_source(key, out, name=node.name or out.name or "", fixed=fixed,
-                          reason=reason)
+    _source(view, node.graph, out, node, fixed, reason, name=node.name)
 
 
 def _wide(view: OnnxView, value: ir.Value, tensor) -> str | None:
@@ -513,7 +510,6 @@ def range_problem(array: np.ndarray, low: LowDtype, *, addend: bool = False) -> 
     if addend or top == 0.0 or top * _SIGNIFICANT >= 4 * tiny:
         return None  # every significant value converts within 1/8 of itself
     info = ml_dtypes.finfo(np.float16 if low is LowDtype.FLOAT16 else ml_dtypes.bfloat16)
-    name = low.value
     magnitude = np.abs(array)
     floor = top * _SIGNIFICANT
     significant = array[(magnitude >= floor) & (magnitude > 0)]
@@ -522,4 +518,4 @@ def range_problem(array: np.ndarray, low: LowDtype, *, addend: bool = False) -> 
     if not lost.any():
         return None
     return (f"{int(lost.sum())} significant values as small as "
-            f"{float(np.abs(significant[lost]).min()):.3g} underflow {name}")
+            f"{float(np.abs(significant[lost]).min()):.3g} underflow {low.value}")

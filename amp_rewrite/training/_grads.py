@@ -21,12 +21,9 @@ def optimizer_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]
         yield from group["params"]
 
 
-def _grad_values(param: torch.Tensor) -> torch.Tensor:
-    """The tensor to check/unscale in place: the dense grad, or a sparse grad's values."""
+def _sparse_grad_values(param: torch.Tensor) -> torch.Tensor:
+    """The values of a sparse grad, to check/unscale in place."""
     grad = param.grad
-    assert grad is not None
-    if not grad.is_sparse:
-        return grad
     if grad.dtype == torch.float16:
         # Duplicate indices are summed by coalesce(); check the sums, which may overflow.
         param.grad = grad = grad.coalesce()
@@ -38,7 +35,7 @@ def _group_grads(
 ) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
     # Grouped by torch's own C++ helper (the one its optimizers use): a Python loop keyed on
     # each gradient's device and dtype is host time on every step.
-    grads = [_grad_values(p) if g.is_sparse else g
+    grads = [_sparse_grad_values(p) if g.is_sparse else g
              for p in optimizer_params(optimizer) if (g := p.grad) is not None]
     if not grads:
         return {}
@@ -103,8 +100,7 @@ def agree_across_ranks(
     """
     if mode is False:
         return
-    ready = dist.is_available() and dist.is_initialized()
-    if not ready:
+    if not (dist.is_available() and dist.is_initialized()):
         if mode:
             raise TrainingError(
                 "LossScaler(distributed=True) but torch.distributed is not initialised; "

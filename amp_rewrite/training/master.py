@@ -52,8 +52,7 @@ class MasterWeights:
     @torch.no_grad()
     def copy_to_model(self) -> None:
         """Round the updated masters into the model's parameters."""
-        models = [p for p, _ in self.pairs]
-        torch._foreach_copy_(models, [m for _, m in self.pairs])
+        torch._foreach_copy_([p for p, _ in self.pairs], self.masters())
 
     @torch.no_grad()
     def load(self, masters: list[torch.Tensor]) -> None:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from amp_rewrite.errors import TrainingError
-from amp_rewrite.training._grads import agree_across_ranks, check_and_unscale
+from amp_rewrite.training._grads import agree_across_ranks, check_and_unscale, optimizer_params
 
 T = TypeVar("T")
 
@@ -57,10 +57,6 @@ def _positive_finite(name: str, value: float) -> float:
     return float(value)
 
 
-def _optional_bound(name: str, value: float | None) -> float | None:
-    return None if value is None else _positive_finite(name, value)
-
-
 @dataclass(frozen=True)
 class _Policy:
     """The validated, immutable scaling policy."""
@@ -76,9 +72,8 @@ class _Policy:
 
     @classmethod
     def build(cls, **kw: Any) -> _Policy:
-        init = _positive_finite("init_scale", kw["init_scale"])
-        growth = _positive_finite("growth_factor", kw["growth_factor"])
-        backoff = _positive_finite("backoff_factor", kw["backoff_factor"])
+        init, growth, backoff = (_positive_finite(name, kw[name])
+                                 for name in ("init_scale", "growth_factor", "backoff_factor"))
         if growth <= 1.0:
             raise ValueError(f"growth_factor must be > 1, got {growth!r}")
         if backoff >= 1.0:
@@ -86,8 +81,8 @@ class _Policy:
         for name in ("growth_interval", "hysteresis"):
             if isinstance(kw[name], bool) or not isinstance(kw[name], int) or kw[name] < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {kw[name]!r}")
-        lo = _optional_bound("min_scale", kw["min_scale"])
-        hi = _optional_bound("max_scale", kw["max_scale"])
+        lo, hi = (None if kw[name] is None else _positive_finite(name, kw[name])
+                  for name in ("min_scale", "max_scale"))
         if lo is not None and hi is not None and lo > hi:
             raise ValueError(f"min_scale ({lo!r}) must not exceed max_scale ({hi!r})")
         if (lo is not None and init < lo) or (hi is not None and init > hi):
@@ -157,13 +152,10 @@ class LossScaler:
         self._records: dict[int, _OptimizerRecord] = {}
         self._state: dict[str, torch.Tensor] | None = None
         # Values for the lazily created state tensors (set by load_state_dict before first use).
-        self._pending = self._initial_values()
+        self._pending = {"scale": self._policy.init_scale, "growth_tracker": 0,
+                         "hysteresis_tracker": hysteresis, "skipped_steps": 0, "updates": 0}
 
     # ----------------------------------------------------------------------------- state
-
-    def _initial_values(self) -> dict[str, float | int]:
-        return {"scale": self._policy.init_scale, "growth_tracker": 0,
-                "hysteresis_tracker": self._policy.hysteresis, "skipped_steps": 0, "updates": 0}
 
     def _ensure_state(self, device: torch.device) -> dict[str, torch.Tensor]:
         if self._state is None:
@@ -217,10 +209,9 @@ class LossScaler:
         if self._state is not None:
             return self._state["scale"].device
         if self._policy.check_only:
-            for group in optimizer.param_groups:
-                for param in group["params"]:
-                    if param.grad is not None:
-                        return param.grad.device if self._device is None else self._device
+            for param in optimizer_params(optimizer):
+                if param.grad is not None:
+                    return param.grad.device if self._device is None else self._device
         raise TrainingError(f"{caller} before scale(): the gradients did not come from a loss "
                             "scaled by this scaler; call backward() on scaler.scale(loss) first")
 
@@ -319,33 +310,20 @@ class LossScaler:
         if isinstance(new_scale, torch.Tensor):
             if new_scale.numel() != 1 or new_scale.requires_grad:
                 raise ValueError("new_scale must be a one-element tensor without grad")
-            value: float | torch.Tensor = new_scale.reshape(())
+            self._ensure_state(new_scale.device)["scale"].copy_(new_scale.reshape(()))
+        elif self._state is None:
+            self._pending["scale"] = _positive_finite("new_scale", new_scale)
         else:
-            value = _positive_finite("new_scale", new_scale)
-        if self._state is None:
-            if isinstance(value, torch.Tensor):
-                self._ensure_state(value.device)
-            else:
-                self._pending["scale"] = value
-                return
-        assert self._state is not None
-        if isinstance(value, torch.Tensor):
-            self._state["scale"].copy_(value)
-        else:
-            self._state["scale"].fill_(value)
+            self._state["scale"].fill_(_positive_finite("new_scale", new_scale))
 
     def _apply_update(self, found_inf: torch.Tensor) -> None:
-        state = self._state
+        state, p = self._state, self._policy
         assert state is not None
         overflow = found_inf > 0
         state["skipped_steps"].add_(overflow)
         state["updates"].add_(1)
-        if self._policy.dynamic:
-            self._update_dynamic(state, found_inf, overflow)
-
-    def _update_dynamic(self, state: dict[str, torch.Tensor], found_inf: torch.Tensor,
-                        overflow: torch.Tensor) -> None:
-        p = self._policy
+        if not p.dynamic:
+            return
         scale, tracker = state["scale"], state["growth_tracker"]
         before = scale.clone() if p.hysteresis > 1 else None
         # GradScaler's own kernel: identical arithmetic (float64 factor products, finite check).

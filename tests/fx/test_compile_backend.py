@@ -67,6 +67,17 @@ def test_outputs_within_low_precision_of_fp32_with_low_nodes_in_every_graph(dtyp
     assert all(r["report"]["dtype"] == str(dtype).removeprefix("torch.") for r in reports)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_keep_io_types_false_returns_outputs_in_the_dtype_autocast_returns(dtype):
+    model, (x, _) = _block(), _data()
+    with torch.autocast("cpu", dtype=dtype):
+        autocast_dtype = model(x).dtype
+    compiled = amp_rewrite.compile(model, dtype=dtype, keep_io_types=False, **EAGER)
+    out = compiled(x)
+    assert out.dtype == autocast_dtype == dtype
+    assert (out.float() - model(x)).abs().max().item() < TOLERANCE[dtype]
+
+
 def test_gradients_land_fp32_on_the_users_parameters():
     model, (x, y) = _block(), _data()
     keys = {k: v.dtype for k, v in model.state_dict().items()}

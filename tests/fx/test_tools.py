@@ -39,7 +39,7 @@ def test_gpu_benchmark_code_runs_on_cpu_with_tiny_configs(tmp_path):
                       "--phases", "train", "forward", "--steps", "1", "--warmup", "1",
                       "--same-process", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    eager = [v for v in tool.VARIANTS if v not in tool.BACKEND_VARIANTS]  # backend: compiled
+    eager = [v for v in tool.VARIANTS if v not in tool.BACKEND_OPTIONS]  # backend: compiled
     assert [(r["variant"], r["phase"]) for r in rows] == [
         (v, p) for v in eager for p in ("train", "forward")]
     assert all(r["ms"] > 0 and "error" not in r for r in rows)

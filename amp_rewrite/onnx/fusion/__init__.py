@@ -18,7 +18,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
 from amp_rewrite.errors import UsageError, described
-from amp_rewrite.onnx.load import model_graphs, unlink_graph
+from amp_rewrite.onnx.load import model_graphs, unlink_graph, unlink_nodes
 from amp_rewrite.onnx.fusion.schemas import register_default_domain_contrib_ops, runtime_schema
 
 logger = logging.getLogger(__name__)
@@ -71,15 +71,10 @@ def op_key(node: ir.Node) -> str:
 def _softmax_feeds_matmul(nodes: list[ir.Node]) -> bool:
     """Whether some Softmax output reaches a MatMul directly or through the NaN guard's
     Where (the attention patterns' spine): else no attention match is tried."""
-    for node in nodes:
-        if node.op_type == "Softmax":
-            for use in node.outputs[0].uses():
-                reader = use.node
-                if reader.op_type == "MatMul" or (
-                        reader.op_type == "Where"
-                        and any(u.node.op_type == "MatMul" for u in reader.outputs[0].uses())):
-                    return True
-    return False
+    return any(use.node.op_type == "MatMul"
+               or (use.node.op_type == "Where"
+                   and any(u.node.op_type == "MatMul" for u in use.node.outputs[0].uses()))
+               for node in nodes if node.op_type == "Softmax" for use in node.outputs[0].uses())
 
 
 def _ort_steps() -> list[FusionStep]:
@@ -229,8 +224,11 @@ class FusionPass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=modified)
 
     def _apply(self, model: ir.Model, step: FusionStep, before_nodes: list[ir.Node]) -> int:
+        from onnxscript.rewriter import pattern
+
         before = set(map(id, before_nodes))
-        rules = _root_filtered(step.make_rules(), step.name)
+        rules = pattern.RewriteRuleSet([_RootFiltered(r, step.name)
+                                        for r in step.make_rules().rules])
         total = 0
         try:
             for _ in range(step.rounds):
@@ -253,8 +251,7 @@ class FusionPass(ir.passes.InPlacePass):
                 self._created.add(id(node))
                 node.metadata_props[FUSED_TAG] = step.name
                 _type_outputs(node, model)
-        removed = [n for n in before_nodes if n.graph is None]
-        _unlink(removed)
+        unlink_nodes([n for n in before_nodes if n.graph is None])
         logger.info("fusion %s: %d", step.name, total)
         return total
 
@@ -365,12 +362,6 @@ def _dangling_input(model: ir.Model) -> str | None:
     return None
 
 
-def _root_filtered(rules, step: str):
-    from onnxscript.rewriter import pattern
-
-    return pattern.RewriteRuleSet([_RootFiltered(r, step) for r in rules.rules])
-
-
 def _forget_matches(rules) -> None:
     """onnxscript's matchers keep the graph, node and match they saw last; its rule sets are
     module-level objects, so that would keep the whole model alive after the rewrite."""
@@ -379,15 +370,6 @@ def _forget_matches(rules) -> None:
         for attr in ("_graph", "_current_node", "_match"):
             if hasattr(matcher, attr):
                 setattr(matcher, attr, None)
-
-
-def _unlink(nodes: list[ir.Node]) -> None:
-    """Cut the node <-> value and node <-> attribute cycles of nodes the rewrite dropped, so
-    reference counting frees them (the rewrite runs with the cyclic collector paused; see
-    ``load.release``)."""
-    for node in nodes:
-        node._inputs = node._outputs = ()
-        node._graph = node._attributes._owner = None
 
 
 def _drop_unused_outputs(node: ir.Node) -> None:

@@ -16,6 +16,7 @@ Reshape(Range(0, B·S), [B, S])``), one cache per angle tensor, shared by every 
 """
 from __future__ import annotations
 
+import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import _ir_utils, pattern
 
@@ -143,13 +144,9 @@ def rotary_rules(target: str = "ort"):
 
 def has_rotary_tables(nodes: list[ir.Node]) -> bool:
     """Whether some Cos output reaches a Mul through an Unsqueeze (the RoPE table)."""
-    for node in nodes:
-        if node.op_type == "Cos":
-            for use in node.outputs[0].uses():
-                if use.node.op_type == "Unsqueeze" and any(
-                        u.node.op_type == "Mul" for u in use.node.outputs[0].uses()):
-                    return True
-    return False
+    return any(use.node.op_type == "Unsqueeze"
+               and any(u.node.op_type == "Mul" for u in use.node.outputs[0].uses())
+               for node in nodes if node.op_type == "Cos" for use in node.outputs[0].uses())
 
 
 # ------------------------------------------------------------------ GroupQueryAttention
@@ -237,8 +234,7 @@ def _dim_of(value: ir.Value | None) -> tuple[ir.Value, int] | None:
         return None
     rank = len(shape.inputs[0].shape)
     start = _int_attr(shape, "start", 0) % rank if rank else 0
-    end = shape.attributes.get("end")
-    end = rank if end is None else end.as_int()
+    end = _int_attr(shape, "end", rank)
     end = min(end + rank if end < 0 else end, rank)
     return (shape.inputs[0], start) if end == start + 1 else None
 
@@ -318,13 +314,11 @@ class _MaskProof:
         self.bool_mask: ir.Value | None = None
         self.fail = ""
 
-    def _no(self, why: str) -> bool:
+    def _no(self, why: str) -> None:
         self.fail = why
-        return False
 
-    def prove(self, mask: ir.Value) -> bool:
-        import numpy as np
-
+    def prove(self, mask: ir.Value) -> bool | None:
+        """True when ``mask`` is proven; else None, and ``fail`` says why."""
         where = _producer(mask, "Where")
         if where is None:
             return self._no("mask is not Where(cond, 0, fill)")
@@ -378,36 +372,29 @@ class _MaskProof:
     def _causal(self, value: ir.Value) -> ir.Value | None:
         node = _producer(value, "LessOrEqual")
         if node is None:
-            self.fail = "no LessOrEqual(key index, query position) in the mask"
-            return None
+            return self._no("no LessOrEqual(key index, query position) in the mask")
         kv, qpos = node.inputs
         kv_range = _is_range_from_zero(_through_unsqueeze(kv))
         if kv_range is None or not self._mask_dim(kv_range.inputs[1], 1):
-            self.fail = "key index is not Range(0, attention_mask.shape[1])"
-            return None
+            return self._no("key index is not Range(0, attention_mask.shape[1])")
         total = self.attention_mask.shape[1]
         if not _shape_is(kv, [1, 1, 1, total]):
-            self.fail = "key index is not on the last axis"
-            return None
+            return self._no("key index is not on the last axis")
         s = self.q.shape[2]
         if not _shape_is(qpos, [1, 1, s, 1]):
-            self.fail = "query position is not on the query axis"
-            return None
+            return self._no("query position is not on the query axis")
         positions = _through_unsqueeze(qpos)
         if self.past_key is None:  # prompt: positions 0..S-1 with S = T
             if not _same_dim(s, total):
-                self.fail = "prompt query length is not attention_mask.shape[1]"
-                return None
+                return self._no("prompt query length is not attention_mask.shape[1]")
             if positions is not kv_range.outputs[0] and not (
                     _is_range_from_zero(positions) is not None
                     and self._mask_dim(_is_range_from_zero(positions).inputs[1], 1)):
-                self.fail = "query positions are not Range(0, T)"
-                return None
+                return self._no("query positions are not Range(0, T)")
             return kv
         add = _producer(positions, "Add")
         if add is None:
-            self.fail = "query positions are not arange(S) + past length"
-            return None
+            return self._no("query positions are not arange(S) + past length")
         for arange, past in (add.inputs, add.inputs[::-1]):
             dim = _dim_of(past)
             if dim is None or dim[1] != 2 or dim[0] not in self.inputs:
@@ -426,10 +413,9 @@ class _MaskProof:
                 if dim is not None and dim[0].shape is not None and _same_dim(
                         dim[0].shape[dim[1]], s):
                     return kv
-        self.fail = "query positions are not arange(S) + past length"
-        return None
+        return self._no("query positions are not arange(S) + past length")
 
-    def _padding(self, value: ir.Value, kv: ir.Value) -> bool:
+    def _padding(self, value: ir.Value, kv: ir.Value) -> bool | None:
         gather = _producer(value, "GatherND")
         if gather is None or _int_attr(gather, "batch_dims", 0) != 0:
             return self._no("padding term is not GatherND(attention_mask, (b, key))")
@@ -527,8 +513,6 @@ class GroupQueryAttentionFusion(_KVCacheRule):
 
     def check(self, context, q, k_new, v_new, unsq_k, unsq_v, k_rep, v_rep, a, b, mask, attn,
               out, past_key=None, past_value=None, zero=None, same=None, **kw):
-        import numpy as np
-
         result = pattern.MatchResult()
         why, where, k_all = self._cache_fail(context, q, k_new, v_new, unsq_k, unsq_v, k_rep,
                                              v_rep, past_key, past_value, kw)
@@ -563,9 +547,8 @@ class GroupQueryAttentionFusion(_KVCacheRule):
     @staticmethod
     def _bsd(op, x: ir.Value) -> ir.Value:
         """(B, N, S, D) -> (B, S, N·D), reading under a Transpose(0, 2, 1, 3) if there is one."""
-        node = x.producer()
-        if (node is not None and node.op_type == "Transpose" and node.domain in ("", "ai.onnx")
-                and list(node.attributes.get("perm").as_ints()) == [0, 2, 1, 3]):
+        node = _producer(x, "Transpose")
+        if node is not None and list(node.attributes.get("perm").as_ints()) == [0, 2, 1, 3]:
             source = node.inputs[0]
         else:
             source = op.Transpose(x, perm=[0, 2, 1, 3])
@@ -610,11 +593,9 @@ def has_kv_cache(nodes: list[ir.Node]) -> bool:
     """Whether a graph input is concatenated on axis -2 (a past K/V cache): the decode-step
     rules have several output nodes, which onnxscript matches by trying node combinations,
     so they run only on graphs that can hold a match."""
-    for node in nodes:
-        if node.op_type == "Concat" and node.attributes.get_int("axis", 0) in (-2, 2) and any(
-                v is not None and v.is_graph_input() for v in node.inputs):
-            return True
-    return False
+    return any(node.op_type == "Concat" and node.attributes.get_int("axis", 0) in (-2, 2)
+               and any(v is not None and v.is_graph_input() for v in node.inputs)
+               for node in nodes)
 
 
 # ------------------------------------------------------------ ONNX Attention-23 (--target onnx)

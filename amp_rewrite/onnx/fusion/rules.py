@@ -191,7 +191,6 @@ def fast_gelu_bias_rules() -> pattern.RewriteRuleSet:
     return pattern.RewriteRuleSet(FastGeluBiasFusion.rule("fast_gelu_bias").commute())
 
 
-
 class SdpaToAttention(pattern.RewriteRuleClassBase):
     """onnxscript's intermediate SDPA call → the standard ``Attention`` op (opset 23).
 
@@ -226,7 +225,6 @@ class SdpaToAttention(pattern.RewriteRuleClassBase):
         attrs = {} if scale is None else {"scale": scale}
         inputs = [query, key, value] + ([mask] if self._masked else [])
         return op.Attention(*inputs, **attrs)
-
 
 
 def sdpa_to_attention_rules() -> pattern.RewriteRuleSet:

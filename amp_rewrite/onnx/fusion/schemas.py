@@ -57,11 +57,8 @@ def _runtime_registry() -> dict[tuple[str, str], tuple[RuntimeSchema, ...]]:
 def runtime_schema(domain: str, op_type: str, opset: int) -> RuntimeSchema | None:
     """onnxruntime's schema of a contrib op at ``opset`` (None if it has none)."""
     domain = "" if domain == "ai.onnx" else domain
-    found = None
-    for schema in _runtime_registry().get((domain, op_type), ()):
-        if schema.since_version <= opset:
-            found = schema
-    return found
+    schemas = _runtime_registry().get((domain, op_type), ())  # by ascending since_version
+    return next((s for s in reversed(schemas) if s.since_version <= opset), None)
 
 
 @functools.cache
