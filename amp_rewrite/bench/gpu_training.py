@@ -27,8 +27,7 @@ measured calls. ``prep_s`` is the rewrite time (amp_rewrite) before any warm-up;
 first step's loss (same weights and data in every variant: a sanity check against FP32).
 ``sync_free`` says whether the optimizer update (``AmpOptimizer.step()`` or
 ``GradScaler.step`` + ``update``) ran under ``torch.cuda.set_sync_debug_mode("error")`` without a
-host synchronisation; ``recompiles`` counts graphs dynamo compiled after warm-up; ``kernels``
-the kernels Inductor generated for the variant (forward and backward; 0 when not compiled).
+host synchronisation; ``recompiles`` counts graphs dynamo compiled after warm-up.
 
 Rows are appended to ``--out`` as they finish (a killed run keeps what it measured). Without
 CUDA it says so and exits 0; ``--device cpu --tiny`` runs the same code on tiny configs (a
@@ -55,7 +54,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F  # noqa: N812
-from torch._inductor import metrics as inductor_metrics
 
 import amp_rewrite
 from amp_rewrite.bench.timing import add_same_process_flag, rows_in_fresh_process
@@ -328,10 +326,8 @@ def _run_variant(args: argparse.Namespace, work: Workload, variant: str, compile
         for phase in args.phases:
             row = {**head, "phase": phase, "prep_s": round(prepared.prep_s, 3)}
             if phase == "train":
-                kernels = inductor_metrics.generated_kernel_count
                 row["loss0"] = float(prepared.step().detach())
                 row.update(measure(prepared.step, device, args.warmup, args.steps))
-                row["kernels"] = inductor_metrics.generated_kernel_count - kernels
                 row["sync_free"] = sync_free_step(prepared, device)
             else:
                 row.update(measure(prepared.forward, device, args.warmup, args.steps))
@@ -357,7 +353,7 @@ def _format(row: dict) -> str:
     peak = f"{row['peak_mib']:10.0f}" if row["peak_mib"] is not None else f"{'n/a':>10s}"
     return (f"{head} {row['ms']:10.2f} {peak} {row['prep_s']:7.1f} {row['warmup_s']:7.1f}"
             f" {row.get('loss0', float('nan')):9.4f} {row.get('recompiles', ''):>4}"
-            f" {row.get('kernels', ''):>7} {row.get('sync_free', '')}")
+            f" {row.get('sync_free', '')}")
 
 
 def _save(out: Path, rows: list[dict], args: argparse.Namespace, device: torch.device) -> None:
@@ -416,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
     device = torch.device(args.device)
     print(f"{'model':9s} {'variant':19s} {'mode':9s} {'phase':8s} {'ms':>10s} {'peak MiB':>10s}"
-          f" {'prep s':>7s} {'warm s':>7s} {'loss0':>9s} {'reco':>4s} {'kernels':>7s} sync-free")
+          f" {'prep s':>7s} {'warm s':>7s} {'loss0':>9s} {'reco':>4s} sync-free")
     run_all(args, device)
     print(f"wrote {args.json}")
     return 0
