@@ -65,6 +65,7 @@ MATRIX = [("bert", "float16", 1e-2), ("bert", "bfloat16", 1e-3), ("gpt2", "float
           pytest.param("gpt2", "bfloat16", 1e-3, marks=_SLOW)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "dtype", "max_error"), MATRIX)
 def test_held_out_error_is_within_the_budget_or_unreachable(name, dtype, max_error):
     model, data, gm = _budgeted(name, dtype, max_error)
@@ -115,6 +116,7 @@ def test_the_emitted_overlay_reproduces_the_plan_and_explain_names_the_budget(tm
         gm.amp_report["budget"]["held_out"], rel=1e-3, abs=1e-9)
 
 
+@pytest.mark.slow
 def test_hot_activations_get_pins_that_bring_the_error_under_the_budget():
     model = hot.hot_variant("llama")
     data = batches("llama", seeds=range(1, 5))

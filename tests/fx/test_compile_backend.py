@@ -187,6 +187,7 @@ def test_inductor_inner_compiles_the_rewritten_graph():
     assert len(amp_rewrite.report(compiled)) == 2
 
 
+@pytest.mark.slow
 def test_backend_name_works_without_importing_amp_rewrite():
     script = textwrap.dedent("""
         import sys, torch

@@ -192,6 +192,7 @@ def _gemm_names(gm: torch.fx.GraphModule) -> list[str]:
     return [r["name"] for r in gm.amp_report["fp8"]["gemms"]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
 def test_tiny_gemms_stay_bf16_by_the_cost_model(name):
     ids = _ids()
@@ -203,6 +204,7 @@ def test_tiny_gemms_stay_bf16_by_the_cost_model(name):
     assert gm.code == bf16.code and not gm.amp_report["fp8"]["counts"].get("fp8")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
 def test_forced_fp8_runs_every_gemm_keeps_the_state_dict_and_trains(name):
     ids, module = _ids(), _lm(name)
@@ -223,6 +225,7 @@ def test_forced_fp8_runs_every_gemm_keeps_the_state_dict_and_trains(name):
     assert grads and all(g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)
 
 
+@pytest.mark.slow
 def test_second_rewrite_changes_nothing_and_explain_names_the_fp8_gemm():
     ids = _ids()
     options = {"dtype": torch.bfloat16, "fp8": "rowwise", "fp8_min_size": 0}
@@ -237,6 +240,7 @@ def test_second_rewrite_changes_nothing_and_explain_names_the_fp8_gemm():
     assert not any(n.target is fp8_linear for n in plain.graph.nodes)
 
 
+@pytest.mark.slow
 def test_rewrite_graph_takes_the_fp8_options_as_rewrite_does():
     ids = _ids()
     options = {"dtype": torch.bfloat16, "fp8": "tensorwise", "fp8_min_size": 0}
@@ -247,6 +251,7 @@ def test_rewrite_graph_takes_the_fp8_options_as_rewrite_does():
     assert gm.amp_report["fp8"]["counts"].get("fp8", 0) > 0
 
 
+@pytest.mark.slow
 def test_a_cuda_plan_runs_on_cpu_tensors_and_keep_bf16_holds():
     ids = _ids()
     gm = amp_rewrite.rewrite(_lm("llama"), (ids,), dtype=torch.bfloat16, device="cuda",

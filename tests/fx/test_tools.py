@@ -48,6 +48,7 @@ def test_gpu_benchmark_code_runs_on_cpu_with_tiny_configs(tmp_path):
     assert max(abs(loss - losses[0]) for loss in losses) <= 1e-2 * abs(losses[0])
 
 
+@pytest.mark.slow
 def test_gpu_benchmark_measures_each_variant_in_a_fresh_process(tmp_path, capsys):
     out = tmp_path / "bench.json"
     tool = _load("gpu_training")
