@@ -125,8 +125,11 @@ def test_signal_from_another_process_removes_temp_files(tmp_path, sig, code):
     import sys
 
     src = save(tmp_path, small_model())
+    # SIGINT as a terminal delivers it: a background job (CI under `cmd &`) inherits SIGINT
+    # ignored, and Python then keeps ignoring it
     proc = subprocess.Popen([sys.executable, "-c", SLOW_SAVE_RUN, str(src), "-q"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert proc.stdout.readline().strip() == "staged"
     assert list(tmp_path.glob(".amp_rewrite_tmp-*"))
     proc.send_signal(sig)
