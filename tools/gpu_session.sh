@@ -20,7 +20,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 # amp_rewrite itself, installed: its rule files ship as the package amp_rewrite.rules, which a
 # source checkout on PYTHONPATH does not have; the benchmarks then run outside the checkout
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . || exit 1
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target /tmp/site . || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 AMP_REWRITE_FORK=0
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd) && cd "$(mktemp -d)" || exit 1
 exec > >(tee -a "$OUT/log.txt") 2>&1
