@@ -24,7 +24,7 @@ from amp_rewrite.fx import opkeys
 from amp_rewrite.fx.view import (CAST_TAG, FxView, Port, float_scalars, is_cast, is_sentinel,
                                  resolve)
 
-_SHORT = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+DTYPE_SUFFIX = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 _ASSERT_METADATA = torch.ops.aten._assert_tensor_metadata.default
 
 
@@ -141,13 +141,20 @@ def after_producer(graph: torch.fx.Graph, value: Node) -> Node:
     return [n for n in graph.nodes if n.op == "placeholder"][-1]
 
 
-def insert_cast(graph: torch.fx.Graph, value: Node, dtype: torch.dtype) -> Node:
-    """A tagged ``_to_copy(value, dtype=dtype)`` right after the value's producer."""
+def conversion(graph: torch.fx.Graph, value: Node, dtype: torch.dtype) -> Node:
+    """An untagged ``_to_copy(value, dtype=dtype)`` right after the value's producer, with the
+    value's module path and stack."""
     with graph.inserting_after(after_producer(graph, value)):
         node = graph.create_node("call_function", torch.ops.aten._to_copy.default, (value,),
-                                 {"dtype": dtype}, name=f"{value.name}_{_SHORT[dtype]}")
-    node.meta[CAST_TAG] = True
+                                 {"dtype": dtype}, name=f"{value.name}_{DTYPE_SUFFIX[dtype]}")
     node.meta.update(source_meta(value))
+    return node
+
+
+def insert_cast(graph: torch.fx.Graph, value: Node, dtype: torch.dtype) -> Node:
+    """A plan cast: a ``conversion`` tagged as this package's (``is_cast``)."""
+    node = conversion(graph, value, dtype)
+    node.meta[CAST_TAG] = True
     return node
 
 

@@ -28,7 +28,7 @@ import torch
 from torch.fx import Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-from amp_rewrite.fx.apply import retyped, source_meta
+from amp_rewrite.fx.apply import DTYPE_SUFFIX, conversion, retyped
 from amp_rewrite.fx.opkeys import size_hint, tensor_val
 from amp_rewrite.fx.view import finished
 
@@ -38,7 +38,6 @@ LOWERED_TAG = "amp_rewrite_lowered"  # node.meta key: "kernel", "operand" or "re
 _LOW_VAL = "amp_rewrite_lowered_val"  # node.meta key: the kernel's low example value
 _WHY = "amp_rewrite_lowered_why"  # node.meta key: why this kernel runs in fp32
 _LOW = (torch.float16, torch.bfloat16)
-_SHORT = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 SDPA = aten.scaled_dot_product_attention.default
 KERNELS = (aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default,
            aten.baddbmm.default, aten.matmul.default, aten.conv1d.default,
@@ -65,7 +64,7 @@ def device_choice(low: torch.dtype, native: bool, train: bool
                   ) -> Callable[[Node], str | None]:
     """``EmulateLowKernels``'s selection on a CPU: GEMMs/convs where it has no native low GEMM
     (``native``), attention calls where the fp32 kernel measures faster; with the reason."""
-    name = _SHORT[low]
+    name = DTYPE_SUFFIX[low]
 
     def select(node: Node) -> str | None:
         if node.target is SDPA:
@@ -178,12 +177,9 @@ def _is_low_kernel(node: Node) -> bool:
 
 def _cast(graph: torch.fx.Graph, value: Node, dtype: torch.dtype, role: str,
           memo: dict) -> Node:
-    with graph.inserting_after(value):
-        node = graph.create_node("call_function", aten._to_copy.default, (value,),
-                                 {"dtype": dtype}, name=f"{value.name}_{_SHORT[dtype]}")
+    node = conversion(graph, value, dtype)
     node.meta["val"] = retyped(tensor_val(value), dtype, memo)
     node.meta[LOWERED_TAG] = role
-    node.meta.update(source_meta(value))
     return node
 
 
@@ -259,7 +255,7 @@ def erase_node(graph: torch.fx.Graph, node: Node) -> None:
 
 
 def explanation(node: Node) -> str:
-    low = _SHORT[node.meta[_LOW_VAL].dtype]
+    low = DTYPE_SUFFIX[node.meta[_LOW_VAL].dtype]
     return (f"{node.name}: emulated {low} kernel: runs in fp32 on {low}-rounded inputs, output "
             f"rounded to {low} ({node.meta.get(_WHY, 'requested')}; emulate_gemms=False "
             "keeps the low kernel)")
