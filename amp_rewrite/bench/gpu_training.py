@@ -28,6 +28,11 @@ first step's loss (same weights and data in every variant: a sanity check agains
 ``sync_free`` says whether the optimizer update (``AmpOptimizer.step()`` or
 ``GradScaler.step`` + ``update``) ran under ``torch.cuda.set_sync_debug_mode("error")`` without a
 host synchronisation; ``recompiles`` counts graphs dynamo compiled after warm-up.
+``inductor_mb`` is Inductor's own estimate of the bytes its kernels read and write in one
+training step (``GraphLowering.count_bytes``, summed over the forward and backward graphs
+compiled in the first step, with Inductor's caches off so nothing is loaded instead of
+compiled): a device-independent count of memory traffic. It covers compiled code only, not
+eager code around it (the loss, and autocast's eager ``.float()`` copy of the logits).
 
 Rows are appended to ``--out`` as they finish (a killed run keeps what it measured). Without
 CUDA it says so and exits 0; ``--device cpu --tiny`` runs the same code on tiny configs (a
@@ -41,6 +46,7 @@ smoke test of the script, not a benchmark).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import logging
@@ -264,6 +270,32 @@ def measure(call: Callable[[], object], device: torch.device, warmup: int,
             "warmup_s": warmup_s, "recompiles": _compiled_graphs() - graphs}
 
 
+@contextlib.contextmanager
+def inductor_traffic(row: dict):
+    """Sets ``row["inductor_mb"]`` to the bytes Inductor's kernels compiled in the block read
+    and write. Inductor counts them only while its metrics log is on; that log's output (a
+    dump of every scheduler node) is kept off the console."""
+    from torch._inductor import config, metrics
+
+    log = logging.getLogger("torch._inductor.compile_fx.__inductor_metrics")
+    saved = config.fx_graph_cache, torch._functorch.config.enable_autograd_cache
+    config.fx_graph_cache = torch._functorch.config.enable_autograd_cache = False
+    torch._logging.set_logs(inductor_metrics=True)
+    log.addFilter(_drop)
+    metrics.reset()
+    try:
+        yield
+        row["inductor_mb"] = round(metrics.num_bytes_accessed / 1e6, 1)
+    finally:
+        log.removeFilter(_drop)
+        torch._logging.set_logs()
+        config.fx_graph_cache, torch._functorch.config.enable_autograd_cache = saved
+
+
+def _drop(record: logging.LogRecord) -> bool:
+    return False
+
+
 def _compiled_graphs() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
@@ -326,7 +358,8 @@ def _run_variant(args: argparse.Namespace, work: Workload, variant: str, compile
         for phase in args.phases:
             row = {**head, "phase": phase, "prep_s": round(prepared.prep_s, 3)}
             if phase == "train":
-                row["loss0"] = float(prepared.step().detach())
+                with inductor_traffic(row) if compile_ else contextlib.nullcontext():
+                    row["loss0"] = float(prepared.step().detach())
                 row.update(measure(prepared.step, device, args.warmup, args.steps))
                 row["sync_free"] = sync_free_step(prepared, device)
             else:
@@ -353,7 +386,7 @@ def _format(row: dict) -> str:
     peak = f"{row['peak_mib']:10.0f}" if row["peak_mib"] is not None else f"{'n/a':>10s}"
     return (f"{head} {row['ms']:10.2f} {peak} {row['prep_s']:7.1f} {row['warmup_s']:7.1f}"
             f" {row.get('loss0', float('nan')):9.4f} {row.get('recompiles', ''):>4}"
-            f" {row.get('sync_free', '')}")
+            f" {row.get('inductor_mb', ''):>9} {row.get('sync_free', '')}")
 
 
 def _save(out: Path, rows: list[dict], args: argparse.Namespace, device: torch.device) -> None:
@@ -412,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
     device = torch.device(args.device)
     print(f"{'model':9s} {'variant':19s} {'mode':9s} {'phase':8s} {'ms':>10s} {'peak MiB':>10s}"
-          f" {'prep s':>7s} {'warm s':>7s} {'loss0':>9s} {'reco':>4s} sync-free")
+          f" {'prep s':>7s} {'warm s':>7s} {'loss0':>9s} {'reco':>4s} {'ind. MB':>9s} sync-free")
     run_all(args, device)
     print(f"wrote {args.json}")
     return 0

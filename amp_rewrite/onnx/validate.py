@@ -285,11 +285,79 @@ def reference_evaluator(model: onnx.ModelProto):
     return ReferenceEvaluator(model, new_ops=_reference_fixes())
 
 
+def _pool_axis(size: int, kernel: int, stride: int, dilation: int, head: int, tail: int,
+               ceil_mode: bool, same: str | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One spatial axis of an AveragePool as onnxruntime (and torch) compute it: the 0/1
+    matrix (out, size) of the taps each output sums, the number of its taps inside the
+    input, and the number inside the input or its padding (``count_include_pad``).
+
+    Under ``ceil_mode`` a window may run past the padding: those taps count for neither, and
+    the last window must start inside the input or the head padding. ``same``
+    (``SAME_UPPER``/``SAME_LOWER``) chooses the pads (as onnxruntime does, ignoring the
+    dilation)."""
+    span = dilation * (kernel - 1) + 1
+    if same:  # onnxruntime sizes SAME pads without the dilation
+        total = max((-(-size // stride) - 1) * stride + kernel - size, 0)
+        head = total // 2 if same == "SAME_UPPER" else total - total // 2
+        tail = total - head
+    room = size + head + tail - span
+    if ceil_mode:
+        out = -(-room // stride) + 1
+        if (out - 1) * stride >= size + head:
+            out -= 1
+    else:  # C integer division, truncating toward zero as onnxruntime does
+        out = (abs(room) // stride) * (1 if room >= 0 else -1) + 1
+    out = max(out, 0)
+    taps = (np.arange(out)[:, None] * stride - head
+            + np.arange(kernel)[None, :] * dilation)  # (out, kernel) input positions
+    inside = (taps >= 0) & (taps < size)
+    matrix = np.zeros((out, size), np.float32)
+    rows = np.broadcast_to(np.arange(out)[:, None], taps.shape)
+    matrix[rows[inside], taps[inside]] = 1.0
+    return matrix, inside.sum(1), (taps < size + tail).sum(1)
+
+
+def average_pool(x: np.ndarray, kernel_shape, strides=None, pads=None, dilations=None,
+                 ceil_mode: int = 0, count_include_pad: int = 0,
+                 auto_pad: str = "NOTSET") -> np.ndarray:
+    """AveragePool summed in float32 and rounded once to ``x.dtype``, with onnxruntime's
+    window arithmetic. onnx.reference returns 0 where a kernel exceeds the input under
+    ``ceil_mode`` (EfficientNet's ``AvgPool2d(1280, ceil_mode=True)`` head), so such a model
+    validated there (bf16) failed against its FP32 run in onnxruntime."""
+    n = len(kernel_shape)
+    strides = list(strides or [1] * n)
+    dilations = list(dilations or [1] * n)
+    pads = list(pads or [0] * (2 * n)) if auto_pad in ("NOTSET", "", None) else [0] * (2 * n)
+    same = auto_pad if auto_pad in ("SAME_UPPER", "SAME_LOWER") else None
+    y = np.asarray(x, np.float32)
+    divisor = np.ones((), np.float32)
+    for axis in range(n):
+        matrix, valid, padded = _pool_axis(x.shape[2 + axis], int(kernel_shape[axis]),
+                                           int(strides[axis]), int(dilations[axis]),
+                                           int(pads[axis]), int(pads[n + axis]),
+                                           bool(ceil_mode), same)
+        y = np.moveaxis(np.tensordot(y, matrix, axes=([2 + axis], [1])), -1, 2 + axis)
+        count = padded if count_include_pad else valid
+        divisor = np.multiply.outer(divisor, count.astype(np.float32))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return (y / divisor).astype(x.dtype)
+
+
 @functools.cache
 def _reference_fixes() -> list[type]:
     """onnx.reference's GatherElements breaks when indices are smaller than the data in a
-    non-gathered axis (BERT's token_type_ids); this follows the spec with take_along_axis."""
+    non-gathered axis (BERT's token_type_ids); this follows the spec with take_along_axis.
+    Its AveragePool returns 0 for a kernel larger than the input under ``ceil_mode``
+    (``average_pool`` follows onnxruntime)."""
     from onnx.reference.op_run import OpRun
+
+    class AveragePool(OpRun):
+        op_domain = ""
+
+        def _run(self, x, auto_pad=None, ceil_mode=None, count_include_pad=None,
+                 dilations=None, kernel_shape=None, pads=None, strides=None):
+            return (average_pool(x, kernel_shape, strides, pads, dilations, ceil_mode or 0,
+                                 count_include_pad or 0, auto_pad or "NOTSET"),)
 
     class GatherElements(OpRun):
         op_domain = ""
@@ -303,7 +371,8 @@ def _reference_fixes() -> list[type]:
 
     from amp_rewrite.onnx.reference_ops import CONTRIB_OPS
 
-    return [GatherElements, *CONTRIB_OPS]  # contrib ops: the fused ops of amp_rewrite.onnx.fusion
+    # contrib ops: the fused ops of amp_rewrite.onnx.fusion
+    return [GatherElements, AveragePool, *CONTRIB_OPS]
 
 
 def validate(fp32: onnx.ModelProto, mixed: onnx.ModelProto, dtype: LowDtype,

@@ -48,6 +48,22 @@ def test_gpu_benchmark_code_runs_on_cpu_with_tiny_configs(tmp_path):
     assert max(abs(loss - losses[0]) for loss in losses) <= 1e-2 * abs(losses[0])
 
 
+def test_inductor_traffic_counts_at_least_what_a_linear_layer_must_move():
+    tool = _load("gpu_training")
+    torch = tool.torch
+    linear = torch.nn.Linear(256, 512)
+    x = torch.randn(64, 256, requires_grad=True)
+    row = {}
+    with tool.inductor_traffic(row):
+        torch.compile(linear)(x).sum().backward()
+    torch._dynamo.reset()
+    # forward reads x and W and writes y; backward reads x, W and dy, writes dx and dW:
+    # float32 bytes no kernel schedule can avoid, counted by hand
+    x_b, w_b, y_b = 64 * 256 * 4, 512 * 256 * 4, 64 * 512 * 4
+    least = (x_b + w_b + y_b) + (x_b + w_b + y_b + x_b + w_b)
+    assert least / 1e6 <= row["inductor_mb"] <= 4 * least / 1e6
+
+
 @pytest.mark.slow
 def test_gpu_benchmark_measures_each_variant_in_a_fresh_process(tmp_path, capsys):
     out = tmp_path / "bench.json"
