@@ -451,11 +451,6 @@ def _print_summary(r: dict, args) -> None:
         low_io = r["low_io"]
         rows.insert(4, ("low-precision I/O", f"{len(low_io['values'])} values, saves "
                         f"{format_bytes_saved(low_io['bytes_saved'])} per run"))
-    if any(k.endswith("GroupQueryAttention") for k in r.get("fused", {})):
-        # GQA takes the valid lengths (seqlens_k), not the mask: exact for unpadded and
-        # right-padded batches only (docs/decisions/0031b-llm-decoding.md)
-        rows.insert(2, ("note", "GroupQueryAttention expects right-padded attention_mask "
-                                "(left-padded batches: --no-fuse)"))
     if r.get("opset_advice"):
         rows.insert(2, ("note", r["opset_advice"]))
     if r.get("runs_on"):

@@ -232,19 +232,20 @@ class GroupQueryAttention(_OmitsOutputs):
     past[:past_b] then the S new rows at past_b, zeros after, and is max(P, total) long.
     Query row s sees keys [0, past_b + s + 1) (causal with the past offset; right padding: a
     row past total_b sees only the valid keys), query head n reads KV head n // (N / Nkv).
-    Scores, softmax and the weighted sum run in float32; outputs are rounded to the input
-    dtype once. Packed QKV, rotary, local windows, softcap and attention_bias are refused."""
+    ``attention_bias`` (B|1, N|1, S, total) is added to the scores. Scores, softmax and the
+    weighted sum run in float32; outputs are rounded to the input dtype once. Packed QKV,
+    rotary, local windows, softcap and the other extras are refused."""
 
     op_domain = MS_DOMAIN
 
     def _run(self, query, key=None, value=None, past_key=None, past_value=None, seqlens_k=None,
-             total_sequence_length=None, cos_cache=None, sin_cache=None, *rest,
-             num_heads=None, kv_num_heads=None, scale=None, do_rotary=None,
-             local_window_size=None, softcap=None, **_):
+             total_sequence_length=None, cos_cache=None, sin_cache=None, position_ids=None,
+             attention_bias=None, *rest, num_heads=None, kv_num_heads=None, scale=None,
+             do_rotary=None, local_window_size=None, softcap=None, **_):
         if key is None or value is None or query.ndim != 3:
             raise NotImplementedError("GroupQueryAttention reference: no packed QKV")
         if do_rotary or cos_cache is not None or (local_window_size not in (None, -1)) \
-                or softcap or any(r is not None for r in rest):
+                or softcap or position_ids is not None or any(r is not None for r in rest):
             raise NotImplementedError(
                 "GroupQueryAttention reference: no rotary, local window, softcap or extras")
         n, nkv = int(num_heads), int(kv_num_heads)
@@ -276,6 +277,8 @@ class GroupQueryAttention(_OmitsOutputs):
             keys = _f32(present_k[i, :, :valid]).repeat(group, axis=0)  # (N, T_b, H)
             values = _f32(present_v[i, :, :valid]).repeat(group, axis=0)
             scores = np.matmul(q[i], np.swapaxes(keys, -1, -2)) * scale  # (N, S, T_b)
+            if attention_bias is not None:
+                scores = scores + _f32(attention_bias[i % attention_bias.shape[0], :, :, :valid])
             seen = np.minimum(past_i + np.arange(s) + 1, valid)  # keys each query row sees
             scores = np.where(np.arange(valid)[None, :] < seen[:, None], scores, -np.inf)
             weights = np.exp(scores - scores.max(axis=-1, keepdims=True))

@@ -171,19 +171,21 @@ def has_rotary_tables(nodes: list[ir.Node]) -> bool:
 #                                    Unsqueeze(Expand(kv, s), -1), axis=-1))  # s = bcast shape
 #
 # The rule proves each of these from the graph (declining otherwise) and writes one
-# ``GroupQueryAttention(q, k, v, past_key, past_value, seqlens_k, total_sequence_length)``
-# in BSD, ``do_rotary=0``, whose present outputs replace the Concats, so the head repeat and
-# the explicit cache Concat go. ``seqlens_k = ReduceSum(attention_mask != 0, 1) − 1`` (int32)
-# and ``total_sequence_length = attention_mask.shape[1]`` (int32 scalar).
-#
-# Runtime contract (GQA's kernel, not provable from the graph: the mask is an input): a
-# batch row's valid keys are [0, seqlens_k + 1) and its S new tokens are the last S of them.
-# The fused graph equals the export for every mask row that is all ones, and on a prompt
-# (S = T) for right padding (ones, then zeros) on the valid query rows and the whole present
-# cache. Left padding (and gaps) is not representable: GQA would place the new K/V at the
-# wrong slot and attend the padding; such batches need the unfused model.
+# ``GroupQueryAttention(q, k, v, past_key, past_value, seqlens_k, total_sequence_length,
+# attention_bias=Where(causal ∧ padding, 0, -65504))`` in BSD, ``do_rotary=0``, whose present
+# outputs replace the Concats, so the head repeat and the explicit cache Concat go.
+# ``seqlens_k = T − 1`` on every row (int32) and ``total_sequence_length = T =
+# attention_mask.shape[1]`` (int32 scalar): GQA appends the S new K/V rows after the whole
+# past, as the export's Concat does, and sees keys [0, T) causally; the bias hides the padding
+# wherever it sits (left, right or gaps), so the fused graph equals the export for every
+# mask. GQA's other convention (seqlens_k = valid length − 1, no bias) holds for right padding
+# only; left-padded prompts, how transformers batches prompts for generation, came out wrong.
 
 _FLOAT_MIN = -1e30  # an additive mask fill this low underflows exp to exactly 0
+# GQA's attention_bias fill: float16's lowest, finite in every dtype the plan may give the
+# bias (-1e30 would round to -inf in float16, and a row with no valid key to NaN), and still
+# low enough that exp(score + fill) is exactly 0
+_BIAS_FILL = -65504.0
 
 
 def _cache_and_repeat_kv(op, with_past, k_new, v_new, past_key, past_value, unsq_k, unsq_v,
@@ -311,7 +313,7 @@ class _MaskProof:
         self.q = q
         self.past_key = past_key
         self.attention_mask: ir.Value | None = None
-        self.bool_mask: ir.Value | None = None
+        self.condition: ir.Value | None = None  # the proven causal ∧ padding (bool)
         self.fail = ""
 
     def _no(self, why: str) -> None:
@@ -328,6 +330,7 @@ class _MaskProof:
             return self._no("mask values are not constants")
         if float(zero.ravel()[0]) != 0.0 or not float(fill.ravel()[0]) <= _FLOAT_MIN:
             return self._no("mask is not 0 where allowed and <= -1e30 elsewhere")
+        self.condition = cond
         leaves: list[ir.Value] = []
         stack = [cond]
         while stack:
@@ -449,7 +452,6 @@ class _MaskProof:
         if (joint is None or _int_attr(shape, "start", 0) != 0 or shape.attributes.get("end")
                 is not None or {id(v) for v in joint.inputs} != {id(bidx), id(kv)}):
             return self._no("padding index is not expanded to the broadcast shape")
-        self.bool_mask = data
         return True
 
 
@@ -493,7 +495,7 @@ class GroupQueryAttentionFusion(_KVCacheRule):
 
     def __init__(self, with_past: bool) -> None:
         super().__init__("amp_rewrite.GroupQueryAttention", with_past)
-        self._seqlens: dict[ir.Value, tuple[ir.Value, ir.Value]] = {}
+        self._mask_values: dict[ir.Value, tuple[ir.Value, ir.Value, ir.Value]] = {}
 
     def pattern(self, op, q, k_new, v_new, past_key, past_value, unsq_k, unsq_v, expand_k,
                 expand_v, shape_k, shape_v, a, b, mask, zero, out_shape):
@@ -554,29 +556,33 @@ class GroupQueryAttentionFusion(_KVCacheRule):
             source = op.Transpose(x, perm=[0, 2, 1, 3])
         return op.Reshape(source, op.Constant(value_ints=[0, 0, -1]))
 
-    def _lengths(self, op, proof: _MaskProof):
-        if proof.bool_mask not in self._seqlens:
-            valid = op.Cast(proof.bool_mask, to=ir.DataType.INT32)
-            summed = op.ReduceSum(valid, op.Constant(value_ints=[1]), keepdims=0)
-            seqlens = op.Sub(summed, op.Constant(value=ir.tensor(1, dtype=ir.DataType.INT32)))
+    def _mask_inputs(self, op, proof: _MaskProof, dtype: np.dtype):
+        """(seqlens_k, total_sequence_length, attention_bias), made once per mask: every layer
+        reads the same ones."""
+        if proof.condition not in self._mask_values:
             total = op.Cast(op.Squeeze(op.Shape(proof.attention_mask, start=1, end=2)),
                             to=ir.DataType.INT32)
-            self._seqlens[proof.bool_mask] = (seqlens, total)
-        return self._seqlens[proof.bool_mask]
+            last = op.Sub(total, op.Constant(value=ir.tensor(1, dtype=ir.DataType.INT32)))
+            seqlens = op.Expand(last, op.Shape(proof.attention_mask, start=0, end=1))
+            bias = op.Where(proof.condition, op.Constant(value=ir.tensor(np.zeros((), dtype))),
+                            op.Constant(value=ir.tensor(np.array(_BIAS_FILL, dtype))))
+            self._mask_values[proof.condition] = (seqlens, total, bias)
+        return self._mask_values[proof.condition]
 
     def rewrite(self, op, q, k_new, v_new, past_key=None, past_value=None, **_):
         found, self._found = self._found, {}
-        seqlens, total = self._lengths(op, found["proof"])
+        seqlens, total, bias = self._mask_inputs(op, found["proof"], q.dtype.numpy())
         outputs = op.GroupQueryAttention(
             self._bsd(op, q), self._bsd(op, k_new), self._bsd(op, v_new),
             past_key if self.with_past else None, past_value if self.with_past else None,
-            seqlens, total, num_heads=found["heads"], kv_num_heads=found["kv_heads"],
-            scale=found["scale"], do_rotary=0, _domain=MS_DOMAIN, _outputs=3)
+            seqlens, total, None, None, None, bias, num_heads=found["heads"],
+            kv_num_heads=found["kv_heads"], scale=found["scale"], do_rotary=0,
+            _domain=MS_DOMAIN, _outputs=3)
         return self._shaped(outputs, found)
 
     def cleanup(self) -> None:
         super().cleanup()
-        self._seqlens.clear()
+        self._mask_values.clear()
 
 
 def _rule_set(cls, with_past: bool):
