@@ -14,18 +14,28 @@ On each graph dynamo hands over, graph breaks included:
    own pointwise fusion (amp_rewrite's pointwise regions are inlined back first); 'eager' runs it
    as it is, as ``rewrite`` returns it.
 
+Activation checkpointing (``torch.utils.checkpoint``, ``gradient_checkpointing_enable()``):
+dynamo hands over each checkpointed region as a ``tag_activation_checkpoint`` higher-order op.
+``to_aten`` inlines its body, so the region is planned like the rest of the graph, and tags the
+body's ATen nodes ``recompute=PREFER_RECOMPUTE`` (one ``ac_graph_id`` per region), which is
+what the op itself does for AOTAutograd: Inductor's partitioner recomputes them in the backward
+instead of saving them. ``inner='eager'`` runs the graph as it is and saves them (one warning).
+
 Every graph's report is kept, keyed weakly by the parameters it reads:
 ``amp_rewrite.report(compiled)`` lists them, ``amp_rewrite.explain(compiled, name)`` searches them.
 """
 from __future__ import annotations
 
 import itertools
+import logging
+import operator
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.fx.traceback as fx_traceback
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.weak import WeakIdKeyDictionary
@@ -40,6 +50,8 @@ from amp_rewrite.fx.pointwise import UnfuseRegions
 
 __all__ = ["backend", "compile", "explain", "report"]
 
+log = logging.getLogger(__name__)
+
 INNER = ("inductor", "eager")
 # the rewrite() options that make sense per dynamo graph (capture, mode, dynamic_shapes
 # belong to dynamo), with their defaults
@@ -48,6 +60,9 @@ _REWRITE_OPTIONS = {"dtype": torch.float16, "rules": (), "keep_fp32": (),
                     "pad": None, "fuse": True, "emulate_gemms": None, "fp8": None,
                     "fp8_grad_dtype": None, "fp8_min_size": None, "keep_bf16": ()}
 _GRAPH_NUMBER = itertools.count()
+_CHECKPOINT_REGIONS = itertools.count()  # ac_graph_id of each inlined checkpointed region
+_RECOMPUTE, _AC_GRAPH_ID = "recompute", "ac_graph_id"  # node.meta keys AOTAutograd reads
+_TRACED_META = frozenset({"val", "tensor_meta", _RECOMPUTE, _AC_GRAPH_ID})
 # parameter -> reports of the graphs that read it (a model's graphs, via its parameters)
 _REPORTS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensors compare elementwise
 # compiled callable -> reports of graphs without parameters, for amp_rewrite.compile
@@ -98,11 +113,18 @@ class _Backend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
         aten = to_aten(gm, example_inputs)
+        checkpointed = any(_RECOMPUTE in n.meta for n in aten.graph.nodes)
         rewritten = _rewrite_graph(aten, self.options.fx)
         _remember(rewritten, example_inputs, self.own)
         if self.options.inner == "eager":
+            if checkpointed:
+                log.warning("activation checkpointing: inner='eager' runs the rewritten graph "
+                            "as it is, so its backward keeps the checkpointed activations; "
+                            "inner='inductor' recomputes them")
             return rewritten
         UnfuseRegions()(rewritten)  # Inductor fuses pointwise ops itself, casts included
+        if checkpointed:
+            _tag_inserted_nodes(rewritten)
         from torch._inductor.compile_fx import compile_fx
         return compile_fx(rewritten, example_inputs)
 
@@ -118,8 +140,112 @@ def to_aten(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> torch.fx.Gra
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         fakes = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x
                  for x in example_inputs]
-    with mode:
-        return make_fx(gm, pre_dispatch=True)(*fakes)
+    if not inline_activation_checkpoints(gm):
+        with mode:
+            return make_fx(gm, pre_dispatch=True)(*fakes)
+
+    def run(*args: Any) -> Any:  # node by node, so each ATen node gets its node's tags
+        return torch.fx.Interpreter(gm).run(*args)
+
+    with mode, fx_traceback.preserve_node_meta():
+        aten = make_fx(run, pre_dispatch=True)(*fakes)
+    for node in aten.graph.nodes:  # only the tags: the rest (module paths, ...) as without
+        for key in set(node.meta) - _TRACED_META:
+            del node.meta[key]
+    return aten
+
+
+def inline_activation_checkpoints(gm: torch.fx.GraphModule) -> int:
+    """Replace each ``tag_activation_checkpoint(body, *args)`` of a dynamo graph by the body's
+    nodes, tagged for recomputation as the op tags them (module docstring); the number
+    inlined. The pre-dispatch re-trace cannot keep the op (torch reads a context function
+    dynamo sets only for selective checkpointing), and its body would be opaque to the plan."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    hop = torch.ops.higher_order.tag_activation_checkpoint
+    calls = list(gm.graph.find_nodes(op="call_function", target=hop))
+    for call in calls:
+        body_node, *inputs = call.args
+        body = getattr(gm, body_node.target)
+        if "_checkpoint_context_fn" in body.meta:  # selective: its policy runs per op
+            log.warning("activation checkpointing with a context_fn (selective policy): "
+                        "amp_rewrite recomputes the whole region instead")
+        region = next(_CHECKPOINT_REGIONS)
+        env: dict[torch.fx.Node, Any] = {}
+        result: Any = None
+        with gm.graph.inserting_before(call):
+            for node in body.graph.nodes:
+                if node.op == "placeholder":
+                    env[node] = inputs[len(env)]
+                    continue
+                if node.op == "output":
+                    result = torch.fx.map_arg(node.args[0], env.__getitem__)
+                    continue
+                if node.op == "get_attr":
+                    name = _fresh_attribute(gm, f"{body_node.target}_{node.target}")
+                    setattr(gm, name, _attribute(body, node.target))
+                    new = gm.graph.get_attr(name)
+                    new.meta = dict(node.meta)
+                else:
+                    new = gm.graph.node_copy(node, env.__getitem__)
+                new.meta[_RECOMPUTE] = CheckpointPolicy.PREFER_RECOMPUTE
+                new.meta[_AC_GRAPH_ID] = region
+                env[node] = new
+        for user in list(call.users):
+            if user.op == "call_function" and user.target is operator.getitem:
+                user.replace_all_uses_with(result[user.args[1]])
+                gm.graph.erase_node(user)
+            else:
+                user.replace_input_with(call, result)  # the body's output tuple as it is
+        gm.graph.erase_node(call)
+        if not body_node.users:
+            gm.graph.erase_node(body_node)
+            delattr(gm, body_node.target)
+    if calls:
+        gm.graph.lint()
+        gm.recompile()
+    return len(calls)
+
+
+def _attribute(module: torch.nn.Module, target: str) -> Any:
+    for part in target.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def _fresh_attribute(gm: torch.fx.GraphModule, base: str) -> str:
+    base = base.replace(".", "_")
+    name, i = base, 0
+    while hasattr(gm, name):
+        i += 1
+        name = f"{base}_{i}"
+    return name
+
+
+def _tag_inserted_nodes(gm: torch.fx.GraphModule) -> None:
+    """Casts (and other nodes) the rewrite put inside a checkpointed region join it: a node
+    every reader of which is in region r, and that reads only region r or graph inputs, is
+    recomputed with r rather than saved for the backward."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    def region(node: object) -> object:
+        return node.meta.get(_AC_GRAPH_ID) if isinstance(node, torch.fx.Node) else None
+
+    changed = True
+    while changed:
+        changed = False
+        for node in gm.graph.nodes:
+            if node.op != "call_function" or _RECOMPUTE in node.meta or not node.users:
+                continue
+            regions = {region(u) for u in node.users}
+            if len(regions) != 1 or None in regions:
+                continue
+            (r,) = regions
+            if all(region(a) == r or a.op in ("placeholder", "get_attr")
+                   for a in node.all_input_nodes):
+                node.meta[_RECOMPUTE] = CheckpointPolicy.PREFER_RECOMPUTE
+                node.meta[_AC_GRAPH_ID] = r
+                changed = True
 
 
 def _remember(gm: torch.fx.GraphModule, example_inputs: list[Any],

@@ -38,6 +38,7 @@ _DATA_DEPENDENT_FIX = ("it returns a Python value computed from tensor contents 
 # export's message names the user's line after this header (torch >= 2.5).
 _USER_FRAME = re.compile(
     r"The following call raised this error:\s*\n\s*File \"([^\"]+)\", line (\d+), in (\w+)\n\s*(.*)")
+_CAUSED_BY = re.compile(r"Caused by: \((.+?):(\d+) in (\w+)\)")
 
 
 def normalize_inputs(example_inputs: Any, example_kwargs: Mapping[str, Any] | None
@@ -108,6 +109,18 @@ def _without_cache_output(module: torch.nn.Module, kwargs: dict) -> dict:
     return {**kwargs, _CACHE_KEYWORD: False}
 
 
+def _warn_if_checkpointing(module: torch.nn.Module) -> None:
+    """torch.export traces through ``torch.utils.checkpoint``: the graph it returns recomputes
+    nothing, so a model trained with activation checkpointing on (``transformers``'
+    ``gradient_checkpointing`` flag) would silently keep every activation; one warning."""
+    if module.training and any(getattr(m, "gradient_checkpointing", False) is True
+                               for m in module.modules()):
+        log.warning("%s has activation checkpointing on, which torch.export does not keep: the "
+                    "rewritten graph stores every activation for the backward; "
+                    "amp_rewrite.compile(model) recomputes checkpointed regions",
+                    type(module).__name__)
+
+
 class _CapturedKeywords:
     """Forward pre-hook of an exported graph: a non-tensor keyword left out takes its
     captured value; any other difference from the captured keywords is a one-line
@@ -168,6 +181,7 @@ def capture(model: torch.nn.Module, example_inputs: Any,
     module = copy.deepcopy(model)
     with quiet_torch_logs():
         if mode == "export":
+            _warn_if_checkpointing(module)
             kwargs = _without_cache_output(module, kwargs)
             gm = _export(module, args, kwargs, export_dynamic_shapes(module, args, kwargs,
                                                                      dynamic_shapes))
@@ -309,7 +323,20 @@ def _eager_error(module: torch.nn.Module, args: tuple, kwargs: dict) -> Exceptio
 
 def _user_construct(error: Exception) -> str:
     match = _USER_FRAME.search(str(error))
-    return _location(*match.groups()) if match else ""
+    if match:
+        return _location(*match.groups())
+    # torch >= 2.12 names the line of a guard on an unbacked size (``if idx.size(0) > 0``
+    # after ``nonzero``) only as ``Caused by: (<path suffix>:LINE in FUNC)``: the frame of
+    # the traceback it points at gives the full path and the code
+    match = _CAUSED_BY.search(str(error))
+    if match:
+        suffix, line, func = match.group(1), int(match.group(2)), match.group(3)
+        frame = next((f for f in reversed(traceback.extract_tb(error.__traceback__))
+                      if f.filename.endswith(suffix) and f.lineno == line), None)
+        if frame is not None:
+            return _location(frame.filename, frame.lineno, frame.name, frame.line)
+        return _location(suffix, line, func, None)
+    return ""
 
 
 def _location(path: str, line: object, func: str, code: str | None) -> str:

@@ -28,6 +28,12 @@ _OPERATOR_KEYS = {
 INPLACE_OPERATORS = {operator.iadd: operator.add, operator.isub: operator.sub,
                      operator.imul: operator.mul, operator.itruediv: operator.truediv}
 
+# ATen views that are other views under another name (``weight.T`` is ``numpy_T`` in a
+# pre-dispatch graph: Falcon's linear layers): the key of the view they are.
+_ATEN_VIEW_ALIASES = {"numpy_T": "permute", "mT": "transpose", "mH": "transpose",
+                      "matrix_H": "transpose", "adjoint": "transpose", "swapdims": "swapaxes",
+                      "moveaxis": "movedim"}
+
 # torch-level functions whose name is not their ATen name.
 _FUNCTION_ALIASES = {"cross_entropy": "cross_entropy_loss", "normalize": "norm",
                      "softmin": "softmax", "concatenate": "cat"}
@@ -108,7 +114,9 @@ def function_key(node: torch.fx.Node) -> str:
                      else target._qualified_op_name)
         namespace, _, name = qualified.partition("::")
         name = strip_inplace(name)
-        return name if namespace == "aten" else f"{namespace}::{name}"
+        if namespace == "aten":
+            return _ATEN_VIEW_ALIASES.get(name, name)
+        return f"{namespace}::{name}"
     if isinstance(target, torch._ops.HigherOrderOperator):
         return f"higher_order::{target.name()}"
     if target in _OPERATOR_KEYS:
