@@ -49,3 +49,15 @@ def _fused_regions_run_eager(monkeypatch):
     from amp_rewrite.fx.pointwise import BACKEND_ENV
     if BACKEND_ENV not in os.environ:
         monkeypatch.setenv(BACKEND_ENV, "eager")
+
+
+@pytest.fixture
+def fresh_dynamo(monkeypatch):
+    """Dynamo reset around a test that compiles (no guards or graphs from an earlier test),
+    with amp_rewrite's pointwise regions uncompiled."""
+    from amp_rewrite.fx.pointwise import BACKEND_ENV
+
+    monkeypatch.setenv(BACKEND_ENV, "eager")
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

@@ -35,12 +35,7 @@ class Block(nn.Module):
         return self.down(self.norm(h))
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setenv(BACKEND_ENV, "eager")  # amp_rewrite's pointwise regions uncompiled
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _data(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,7 @@ import amp_rewrite
 from amp_rewrite.bench.measure import relative_error
 from amp_rewrite.errors import CaptureError
 from amp_rewrite.fx import backend
-from amp_rewrite.fx.pointwise import BACKEND_ENV, UnfuseRegions
+from amp_rewrite.fx.pointwise import UnfuseRegions
 from amp_rewrite.fx.view import is_cast
 
 transformers = pytest.importorskip("transformers")
@@ -27,12 +27,7 @@ AUTOCAST_FACTOR = 1.5
 LOW = [torch.float16, torch.bfloat16]
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setenv(BACKEND_ENV, "eager")  # amp_rewrite's pointwise regions uncompiled
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _ids(seed: int, batch: int = 2, seq: int = 8) -> torch.Tensor:
