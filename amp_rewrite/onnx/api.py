@@ -215,7 +215,8 @@ def _low_dtype_opset(loaded: LoadedModel, low: LowDtype, rules, opset: int | Non
     """bf16 does what the user asked: (the model at the opset where its compute ops admit
     the low dtype, a note saying so) or (the model, None) where nothing is to convert.
     An explicit ``opset`` wins; ``keep_opset`` refuses instead (ModelError); a conversion
-    the version converter cannot do leaves the model as it is (with a warning)."""
+    that fails (the version converter, or serialising the model for it) keeps the opset as
+    ``keep_opset`` would, without refusing: those ops stay fp32 and the note says why."""
     from amp_rewrite.core import OpClass
 
     current = versions.ai_onnx_opset(loaded.model.opset_imports)
@@ -235,8 +236,9 @@ def _low_dtype_opset(loaded: LoadedModel, low: LowDtype, rules, opset: int | Non
     try:
         converted = _converted(loaded, target)
     except ModelError as e:
-        logger.warning("%s; most compute stays fp32", e)
-        return loaded, None
+        note = f"kept opset {current}: {e}; {', '.join(ops)} left fp32"
+        logger.warning("%s", note)
+        return loaded, note
     return converted, f"converted opset {current} -> {target} for {low.value} ({why})"
 
 

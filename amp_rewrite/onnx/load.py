@@ -246,9 +246,31 @@ def repair_all_text(model: ir.Model) -> int:
         count += _repair_fields(g, ())
         for v in (*g.inputs, *g.initializers.values(), *(o for n in g for o in n.outputs)):
             count += _repair_fields(v, ("name", "doc_string"))
+        for v in g.initializers.values():
+            count += _repair_tensor_text(v)
         for node in g:
             count += _repair_fields(node, ("name", "doc_string"))
     return count
+
+
+def _repair_tensor_text(value: ir.Value) -> int:
+    """An initializer's own metadata_props, escaped. onnx_ir serialises a tensor read from a
+    file by copying its TensorProto, bytes included, so the value gets a tensor over a copy
+    of that proto with the text repaired (the caller's ModelProto is never mutated)."""
+    tensor = value.const_value
+    if not isinstance(tensor, ir.serde.TensorProtoTensor):
+        return 0
+    props = tensor.metadata_props
+    if not any(type(k) is bytes or type(v) is bytes for k, v in props.items()):
+        return 0
+    proto = onnx.TensorProto()
+    proto.CopyFrom(tensor.raw)
+    # onnx_ir writes metadata_props after copying the proto: the copy keeps none of its own
+    proto.ClearField("metadata_props")
+    repaired = ir.serde.TensorProtoTensor(proto)
+    repaired.metadata_props.update({text(k): text(v) for k, v in props.items()})
+    value.const_value = repaired
+    return len(props)
 
 
 def _repair_fields(obj, fields: tuple[str, ...]) -> int:

@@ -142,7 +142,13 @@ def initializers_undescribed(model: ir.Model, info: LoadInfo) -> Iterator[None]:
 
 def to_proto(model: ir.Model, info: LoadInfo) -> onnx.ModelProto:
     with initializers_undescribed(model, info):
-        return _retry_with_text_names(model, lambda: ir.to_proto(model))
+        return serialised(model)
+
+
+def serialised(model: ir.Model) -> onnx.ModelProto:
+    """``ir.to_proto(model)``, with text that is not valid UTF-8 escaped in place first if
+    serialising fails on it (names a file's bytes gave, kept as bytes by protobuf)."""
+    return _retry_with_text_names(model, lambda: ir.to_proto(model))
 
 
 def _retry_with_text_names(model: ir.Model, serialise):

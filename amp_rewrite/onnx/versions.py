@@ -111,7 +111,7 @@ def convert_opset(model: ir.Model, target: int) -> ir.Model:
                          f"{onnx.defs.onnx_opset_version()}")
     from onnx import version_converter
 
-    proto = ir.to_proto(model)
+    proto = _serialised_for_conversion(model, current, target)
     try:
         converted = version_converter.convert_version(proto, target)
     except Exception as e:  # the converter raises RuntimeError/ValueError/ConvertError
@@ -120,6 +120,29 @@ def convert_opset(model: ir.Model, target: int) -> ir.Model:
                          "convert it yourself or leave --opset out") from None
     logger.info("converted opset %d -> %d", current, target)
     return ir.from_proto(converted)
+
+
+def _serialised_for_conversion(model: ir.Model, current: int, target: int
+                               ) -> onnx.ModelProto:
+    """The converter works on a ModelProto: a model onnx_ir cannot serialise (damaged
+    tensors, text it cannot escape) is a ModelError naming the cause, which the bf16 opset
+    conversion answers by keeping the opset."""
+    from amp_rewrite.onnx import save
+
+    try:
+        return save.serialised(model)
+    except Exception as e:  # onnx_ir wraps every serialiser error in a SerdeError chain
+        cause = _innermost(e)
+        raise ModelError(f"cannot convert the model from opset {current} to {target}: it "
+                         f"cannot be serialised ({type(cause).__name__}: {first_line(cause)})"
+                         ) from e
+
+
+def _innermost(error: BaseException) -> BaseException:
+    """The root of an exception chain: onnx_ir's SerdeError says only which object failed."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    return error
 
 
 def _admits(op_type: str, opset: int, low_type: str) -> bool | None:
