@@ -92,6 +92,7 @@ def load_model(source: Source) -> LoadedModel:
     if isinstance(source, LoadedModel):
         return source
     if isinstance(source, ir.Model):
+        _check_has_outputs(len(source.graph.outputs), "<ir.Model>")
         return LoadedModel(source, LoadInfo(had_external_data=had_external_data(source)))
     if isinstance(source, bytes):
         source = parse_bytes(source)
@@ -153,6 +154,7 @@ def _loaded(proto: onnx.ModelProto, label: str, path: Path | None = None) -> Loa
     """The checked (or repaired), inlined proto in onnx_ir, with inferred facts. On a large
     model the checker and shape inference run in the ``Background`` while onnx_ir loads;
     a model the checker refuses, or with functions to inline, takes the serial path."""
+    _check_has_outputs(len(proto.graph.output), label)
     if proto.functions or len(proto.graph.node) < BACKGROUND_NODES:
         return _loaded_serially(proto, label, path)
     job = Background(_checked_and_inferred, proto, label, path)
@@ -167,6 +169,15 @@ def _loaded(proto: onnx.ModelProto, label: str, path: Path | None = None) -> Loa
             release(model.model)
         return _loaded_serially(proto, label, path)
     return model
+
+
+def _check_has_outputs(count: int, label: str) -> None:
+    """A graph without outputs computes nothing anyone can read: onnxruntime loads it but
+    refuses every run, and the checker lets it pass, so the rewrite would write it."""
+    if count == 0:
+        raise ModelError(f"{label}: the model has no graph outputs, so it computes nothing a "
+                         "runtime can return; declare the values it should return as graph "
+                         "outputs (onnx.helper.make_tensor_value_info) or export it again")
 
 
 def _loaded_serially(proto: onnx.ModelProto, label: str, path: Path | None) -> LoadedModel:

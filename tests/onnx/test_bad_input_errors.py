@@ -162,11 +162,11 @@ def test_validate_when_onnxruntime_fails_on_random_resize_scales(tmp_path, capsy
     assert code == 4 and "on random inputs" in err and "--calibrate" in err, err
 
 
-def test_validate_model_without_outputs_says_so(tmp_path, capsys):
+def test_model_without_outputs_is_refused_before_validation(tmp_path, capsys):
     model = small_model(outputs=[])
     src = save(tmp_path, model)
     code, _, err = run_cli([src, "--validate"], capsys)
-    assert code == 4 and "no graph outputs" in err
+    assert code == 3 and "no graph outputs" in err
 
 
 @pytest.mark.parametrize("defect, needle", [
