@@ -17,7 +17,7 @@ import onnx_ir as ir
 from amp_rewrite.core import LowDtype, PadPolicy
 from amp_rewrite.core.report import Report, explain
 from amp_rewrite.errors import ModelError, OutputCheckError, first_line
-from amp_rewrite.onnx import save, versions
+from amp_rewrite.onnx import repair, save, versions
 from amp_rewrite.onnx.load import LoadedModel, LoadInfo, Source, load_model, parse_bytes, release
 from amp_rewrite.onnx.passes import MixedPrecisionPass, OnnxOptions, onnx_rules
 from amp_rewrite.runtime import gc_paused, listed
@@ -259,7 +259,9 @@ def _check_output(result: RewriteResult, source) -> None:
     (type inference included) unless the input itself fails it, then the plain check."""
     if result.needs_external_data:
         return  # too large for an in-memory check; save_model checks the file by path
-    _check_proto(result.proto(), result.info.source or source)
+    proto = result.proto()
+    with repair.shape_placeholders(proto, result.info.shapeless_outputs):
+        _check_proto(proto, result.info.source or source)
 
 
 def _check_proto(proto: onnx.ModelProto, source) -> None:

@@ -37,6 +37,8 @@ class LoadInfo:
     # value name -> fp32 bytes from shape inference, for values the file gives no shape
     inferred_sizes: dict[str, int | None] = field(default_factory=dict)
     described: set[str] = field(default_factory=set)  # names the file gave a value_info
+    # graph outputs typed at load with no shape, which no shape fits (repair.py)
+    shapeless_outputs: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -181,9 +183,13 @@ def _check_has_outputs(count: int, label: str) -> None:
 
 
 def _loaded_serially(proto: onnx.ModelProto, label: str, path: Path | None) -> LoadedModel:
+    from amp_rewrite.onnx import repair
+
     proto = _checked_or_repaired(proto, label, path)
     proto = _inline_local_functions(proto, label)
-    return _from_proto(proto, label, functools.partial(_inferred_facts, proto))
+    loaded = _from_proto(proto, label, functools.partial(_inferred_facts, proto))
+    loaded.info.shapeless_outputs = repair.shapeless_outputs(proto.graph)
+    return loaded
 
 
 def _checked_and_inferred(proto: onnx.ModelProto, label: str, path: Path | None
@@ -516,7 +522,8 @@ def _checked_or_repaired(proto: onnx.ModelProto, label: str,
                              "element type or shape field and shape inference cannot infer "
                              "them; declare its type (onnx.helper.make_tensor_value_info)"
                              ) from None
-    _check_input(repaired, label)
+    with repair.shape_placeholders(repaired, repair.shapeless_outputs(repaired.graph)):
+        _check_input(repaired, label)
     return repaired
 
 

@@ -1,10 +1,17 @@
 """Repairs of inputs that runtimes run but the ONNX checker rejects: graph outputs without a
 type get the type shape inference recovers, and nothing else of its value_info.
+
+Cases: an output inference types fully gets element type and shape; an output inference
+gives an element type but no shape (an If whose branches agree on float32 but return [1] and
+[]) gets the element type with the shape left unset, which runtimes accept and the checker
+does not (``shape_placeholders`` checks the rest of such a model); an output inference gives
+no element type is not repaired.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 import onnx
 
@@ -32,6 +39,14 @@ def _lacks_type(value: onnx.ValueInfoProto) -> bool:
         return False
     tensor = value.type.tensor_type
     return not tensor.elem_type or not tensor.HasField("shape")
+
+
+def _has_element_type(value: onnx.ValueInfoProto) -> bool:
+    """Typed as far as runtimes need: a tensor with its element type, or any other type."""
+    kind = value.type.WhichOneof("value") if value.HasField("type") else None
+    if kind != "tensor_type":
+        return kind is not None
+    return bool(value.type.tensor_type.elem_type)
 
 
 def untyped_outputs(proto: onnx.ModelProto) -> int:
@@ -69,11 +84,41 @@ def fill_output_types(proto: onnx.ModelProto) -> onnx.ModelProto | None:
     filled = 0
     for g, gi in _graph_pairs(repaired.graph, inferred.graph):
         for out, inferred_out in zip(g.output, gi.output):
-            if _lacks_type(out) and not _lacks_type(inferred_out):
+            if _lacks_type(out) and _has_element_type(inferred_out):
                 out.type.CopyFrom(inferred_out.type)
                 filled += 1
-    if untyped_outputs(repaired):
+    if not all(_has_element_type(o) for g, _ in _graph_pairs(repaired.graph, repaired.graph)
+               for o in g.output):
         return None
+    shapeless = shapeless_outputs(repaired.graph)
     logger.warning("the input leaves %d graph output(s) untyped, which the ONNX checker "
-                   "rejects; typed them from shape inference", filled)
+                   "rejects; typed them from shape inference%s", filled,
+                   f" ({', '.join(sorted(shapeless))} with no shape: inference finds none, "
+                   "as for an If whose branches differ in rank)" if shapeless else "")
     return repaired
+
+
+def shapeless_outputs(graph: onnx.GraphProto) -> set[str]:
+    """Main-graph tensor outputs with an element type and no shape field: what
+    ``fill_output_types`` leaves where inference finds no shape."""
+    return {o.name for o in graph.output
+            if o.type.WhichOneof("value") == "tensor_type" and o.type.tensor_type.elem_type
+            and not o.type.tensor_type.HasField("shape")}
+
+
+@contextlib.contextmanager
+def shape_placeholders(proto: onnx.ModelProto, names: Collection[str]) -> Iterator[None]:
+    """While checking, the main-graph outputs ``names`` that lack a shape field carry an
+    empty one: the checker requires the field of every graph output, but no shape is right
+    for a value whose rank depends on the input, and the rest of the model still deserves
+    the check. The model is as it was afterwards."""
+    placed = [o for o in proto.graph.output
+              if o.name in names and o.type.WhichOneof("value") == "tensor_type"
+              and not o.type.tensor_type.HasField("shape")]
+    for out in placed:
+        out.type.tensor_type.shape.SetInParent()
+    try:
+        yield
+    finally:
+        for out in placed:
+            out.type.tensor_type.ClearField("shape")
