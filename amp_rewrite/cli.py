@@ -132,10 +132,43 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+LOG_FORMAT = "amp-rewrite: %(levelname)s: %(message)s"
+
+
+class _HeldLog(logging.Handler):
+    """A run's log lines, printed on stderr once the run has succeeded and dropped when it
+    fails: a failure's stderr is its one error line, whatever was logged on the way there
+    (a warning that led to the error says less than the error)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(logging.Formatter(LOG_FORMAT))
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.format(record))
+
+    def show(self) -> None:
+        for line in self.lines:
+            print(line, file=sys.stderr)
+        self.lines.clear()
+
+
 def main(argv: list[str] | None = None) -> int:
+    held = _HeldLog()
+    try:
+        code = _exit_code(argv, held)
+    finally:
+        logging.getLogger().removeHandler(held)
+    if code == 0:
+        held.show()
+    return code
+
+
+def _exit_code(argv: list[str] | None, held: _HeldLog) -> int:
     try:
         with _sigterm_as_interrupt():
-            return _main(argv)
+            return _main(argv, held)
     except AmpRewriteError as e:
         print(f"amp-rewrite: error: {e}", file=sys.stderr)
         return e.exit_code
@@ -156,18 +189,30 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def _main(argv: list[str] | None) -> int:
+def _main(argv: list[str] | None, held: _HeldLog) -> int:
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # --help, --version: argparse printed them
         return e.code if isinstance(e.code, int) else 0
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
-                        format="amp-rewrite: %(levelname)s: %(message)s")
+    _configure_logging(args.verbose, held)
     if args.list_rules:
         return _list_rules(args)
     if not args.model:
         raise UsageError("missing MODEL.onnx (see amp-rewrite --help)")
-    return _rewrite(args)
+    return _rewrite(args, held)
+
+
+def _configure_logging(verbose: bool, held: _HeldLog) -> None:
+    """-v logs as it goes (with the traceback of a failure); otherwise warnings are held
+    for the end of the run. A host application or test harness that already logs to the
+    root logger keeps its own handlers."""
+    if verbose:
+        logging.basicConfig(level=logging.DEBUG, format=LOG_FORMAT)
+        return
+    root = logging.getLogger()
+    if not root.handlers:
+        root.setLevel(logging.WARNING)
+        root.addHandler(held)
 
 
 @contextlib.contextmanager
@@ -212,7 +257,7 @@ class _RunPaths:
     writes: dict[str, Path]  # flag -> path
 
 
-def _rewrite(args) -> int:
+def _rewrite(args, held: _HeldLog) -> int:
     from amp_rewrite.onnx.load import release
     from amp_rewrite.runtime import gc_paused
 
@@ -230,6 +275,8 @@ def _rewrite(args) -> int:
                     result.save(paths.output,
                                 keep=[p for group in paths.reads.values() for p in group])
         # the progress bar is finished and cleared before anything is printed
+        if failure is None:
+            held.show()  # the warnings before the summary they qualify
         _finish(args, result, None if failure else paths.output, validation,
                 time.perf_counter() - start, paths.report)
         if failure is not None:
