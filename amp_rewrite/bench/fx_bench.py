@@ -13,8 +13,8 @@ MODES = {
     "autocast": ("amp_rewrite.bench.autocast_lists", "PyTorch's autocast test lists"),
     "backend": ("amp_rewrite.bench.fx_backend",
                 "the torch.compile backend on the zoo: errors, gradients, recompiles"),
-    "step": ("amp_rewrite.bench.gpu_training:cpu_main",
-             "training step on this CPU vs autocast, eager and compiled"),
+    "step": ("amp_rewrite.bench.cpu_step",
+             "training step on this CPU vs autocast, eager and compiled, in rounds"),
     "budget": ("amp_rewrite.bench.fx_budget",
                "accuracy budget on 5 zoo models: held-out error, share, vs autocast"),
 }

@@ -63,6 +63,7 @@ import torch.nn.functional as F  # noqa: N812
 
 import amp_rewrite
 from amp_rewrite.bench.timing import add_same_process_flag, rows_in_fresh_process
+from amp_rewrite.fx import kernel_timing
 from amp_rewrite.training import AmpOptimizer
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -70,7 +71,12 @@ VARIANTS = ("fp32", "autocast", "amp_rewrite", "amp_rewrite_nofuse", "amp_rewrit
             "backend", "backend_gradscaler", "backend_low_io")
 BACKEND_OPTIONS = {"backend": {}, "backend_gradscaler": {},
                    "backend_low_io": {"keep_io_types": False}}
-MODELS = ("bert", "bert_4l", "gpt2", "llama", "resnet50", "mlp_odd")
+# CPU shapes: 4 layers, batch 8 x 128 tokens (ViT: 8 images of 224 x 224, 197 tokens), at
+# two widths: the models users fine-tune on CPUs, and where per-kernel overhead differs most
+CPU_FAMILIES = ("bert", "gpt2", "llama", "vit")
+CPU_WIDTHS = (256, 768)
+CPU_MODELS = tuple(f"{family}_4l_h{width}" for family in CPU_FAMILIES for width in CPU_WIDTHS)
+MODELS = ("bert", "bert_4l", "gpt2", "llama", "resnet50", "mlp_odd", *CPU_MODELS)
 REWRITE_OPTIONS = {"amp_rewrite": {}, "amp_rewrite_nofuse": {"fuse": False},
                    "amp_rewrite_nopad": {"pad": False}}
 
@@ -121,6 +127,46 @@ def _text(name: str, tiny: bool, g: torch.Generator, device: torch.device
         logits[:, :-1].float().reshape(-1, logits.shape[-1]), targets.reshape(-1)))
 
 
+def _cpu_model(name: str, tiny: bool, g: torch.Generator, device: torch.device
+               ) -> tuple[torch.nn.Module, torch.Tensor, Callable]:
+    """``{family}_4l_h{width}``: a default-config model of that family (dropout on), 4
+    layers of that width, heads of 64, FFN 4x (Llama: its own ~8/3x, 688 or 2048)."""
+    import transformers as tf
+
+    family, _, width = name.split("_")
+    hidden = 32 if tiny else int(width.removeprefix("h"))
+    heads, layers = max(1, hidden // 64), 2 if tiny else 4
+    ffn = {256: 688, 768: 2048}.get(hidden, 2 * hidden) if family == "llama" else 4 * hidden
+    batch = 2 if tiny else 8
+    if family == "vit":
+        cfg = tf.ViTConfig(hidden_size=hidden, num_hidden_layers=layers,
+                           num_attention_heads=heads, intermediate_size=ffn, num_labels=1000,
+                           image_size=32 if tiny else 224, patch_size=16)
+        x = torch.randn(batch, 3, cfg.image_size, cfg.image_size, generator=g)
+        labels = torch.randint(0, cfg.num_labels, (batch,), generator=g).to(device)
+        return (_Logits(tf.ViTForImageClassification(cfg)), x,
+                lambda logits: F.cross_entropy(logits.float(), labels))
+    if family == "bert":
+        cfg = tf.BertConfig(hidden_size=hidden, num_hidden_layers=layers, num_labels=2,
+                            num_attention_heads=heads, intermediate_size=ffn)
+        model = tf.BertForSequenceClassification(cfg)
+    elif family == "gpt2":
+        cfg = tf.GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_inner=ffn,
+                            use_cache=False)
+        model = tf.GPT2LMHeadModel(cfg)
+    else:
+        cfg = tf.LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, use_cache=False,
+                             num_attention_heads=heads, intermediate_size=ffn)
+        model = tf.LlamaForCausalLM(cfg)
+    x = torch.randint(0, cfg.vocab_size, (batch, 16 if tiny else 128), generator=g)
+    if family == "bert":
+        labels = torch.randint(0, 2, (batch,), generator=g).to(device)
+        return _Logits(model), x, lambda logits: F.cross_entropy(logits.float(), labels)
+    targets = x[:, 1:].to(device)
+    return (_Logits(model), x, lambda logits: F.cross_entropy(
+        logits[:, :-1].float().reshape(-1, logits.shape[-1]), targets.reshape(-1)))
+
+
 def _resnet(tiny: bool, g: torch.Generator, device: torch.device
             ) -> tuple[torch.nn.Module, torch.Tensor, Callable]:
     import transformers as tf
@@ -150,6 +196,8 @@ def build(name: str, tiny: bool, device: torch.device) -> Workload:
         module, x, loss = _resnet(tiny, g, device)
     elif name == "mlp_odd":
         module, x, loss = _mlp_odd(tiny, g)
+    elif name in CPU_MODELS:
+        module, x, loss = _cpu_model(name, tiny, g, device)
     else:
         raise ValueError(name)
     return Workload(name, module.to(device).train(), (x.to(device),), loss)
@@ -364,6 +412,7 @@ def _run_variant(args: argparse.Namespace, work: Workload, variant: str, compile
                 row["sync_free"] = sync_free_step(prepared, device)
             else:
                 row.update(measure(prepared.forward, device, args.warmup, args.steps))
+            row["kernel_choices"] = kernel_choice_counts()
             rows.append(row)
             print(_format(row), flush=True)
     except Exception as error:  # noqa: BLE001 - a benchmark row records any failure and goes on
@@ -376,6 +425,16 @@ def _run_variant(args: argparse.Namespace, work: Workload, variant: str, compile
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
+
+
+def kernel_choice_counts() -> dict[str, dict[str, int]]:
+    """How many of this process's measured kernel choices (``fx/kernel_timing.py``) went each
+    way, per kind: e.g. ``{"kernel": {"low": 5, "fp32": 1}, "pointwise": {"eager": 3}}``."""
+    counts: dict[str, dict[str, int]] = {}
+    for choice in kernel_timing.choices():
+        kind = counts.setdefault(choice["kind"], {})
+        kind[choice["chosen"]] = kind.get(choice["chosen"], 0) + 1
+    return counts
 
 
 def _format(row: dict) -> str:
@@ -412,16 +471,6 @@ def cpu_flags() -> list[str]:
     flags = set(next((line for line in text.splitlines() if line.startswith("flags")),
                      "").split())
     return sorted(flags & {"amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2"})
-
-
-def cpu_main(argv: list[str] | None = None) -> int:
-    """``python -m amp_rewrite.bench fx step``: the same measurement on this CPU, by default
-    BERT-shaped 4 layers, batch 8 x 128, bf16, autocast / export path / backend, eager and
-    compiled (later arguments override these)."""
-    print(f"CPU bf16 flags: {' '.join(cpu_flags()) or 'none'}")
-    return main(["--device", "cpu", "--models", "bert_4l", "--dtype", "bf16",
-                 "--variants", "autocast", "amp_rewrite", "backend", "--steps", "10",
-                 "--warmup", "3", "--json", "results/bench_cpu_step.json", *(argv or [])])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,7 +26,7 @@ from amp_rewrite.core.rules import default_rules_path
 from amp_rewrite.runtime import gc_paused
 from amp_rewrite.errors import UsageError
 from amp_rewrite.fx import budget as fx_budget
-from amp_rewrite.fx import guards, lowering
+from amp_rewrite.fx import guards, kernel_timing, lowering
 from amp_rewrite.fx.capture import capture as capture_module
 from amp_rewrite.fx.capture import fill_missing_fake_values, refresh_fake_values
 from amp_rewrite.fx.fp8 import RestoreFp8Gemms, fp8_section
@@ -311,7 +311,7 @@ def _pad(gm: torch.fx.GraphModule, enabled: bool | PadPolicy) -> dict:
 def _emulate_gemms(gm: torch.fx.GraphModule, low: torch.dtype, device: str, fuse: bool,
                    requested: bool | None) -> dict:
     """Low GEMMs/convs/SDPA as fp32 kernels on low-rounded operands (``fx/lowering.py``)
-    where the device has no fast low kernels; the report's section."""
+    where that kernel measures faster on this CPU; the report's section, with the timings."""
     native = native_low_gemm(low, device)
     if requested is False or (requested is None and (not fuse or device != "cpu")):
         return {"enabled": False, "native_low_gemm": native}
@@ -319,15 +319,15 @@ def _emulate_gemms(gm: torch.fx.GraphModule, low: torch.dtype, device: str, fuse
     trained = any(p.requires_grad for p in gm.parameters()) or any(
         getattr(n.meta.get("val"), "requires_grad", False)
         for n in gm.graph.nodes if n.op == "placeholder")
-    select = None if requested else lowering.device_choice(low, native, trained)
+    select = None if requested else lowering.MeasuredChoice(low, trained)
     emulate = EmulateLowKernels(select)
     emulate(gm)
     return {"enabled": bool(emulate.lowered), "native_low_gemm": native,
             "kernels": emulate.lowered,
             "why": "fp32 kernels on low-rounded operands: " + (
-                "requested" if requested else
-                f"GEMMs: {'native' if native else 'no native'} "
-                f"{str(low).removeprefix('torch.')} GEMM on this CPU; attention: measured")}
+                "requested" if requested else "where they measured faster on this CPU"),
+            "cpu": kernel_timing.cpu_model(),
+            "timings": select.timings if select else []}
 
 
 def _fused_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
@@ -388,8 +388,38 @@ def _for_device(explanations: dict[str, list[str]], device: str) -> dict[str, li
 def explain(gm: torch.fx.GraphModule, node_name: str) -> list[str]:
     """Why node ``node_name`` of a rewritten module runs low or high (the lines; the CLI
     prints them). An unknown name is a ``UsageError`` with the nearest names, including
-    fused nodes that replaced an op of that name (``softmax`` inside attention)."""
+    fused nodes that replaced an op of that name (``softmax`` inside attention), or the
+    attention nodes the model called itself (its softmax never was a node)."""
     report = getattr(gm, "meta", {}).get(REPORT_KEY)
     if report is None:
         raise UsageError("this GraphModule was not produced by amp_rewrite.rewrite")
-    return core_report.explain(report, node_name)
+    try:
+        return core_report.explain(report, node_name)
+    except core_report.UnknownNodeError:
+        hint = _captured_attention_hint(gm, report, node_name)
+        if hint is None:
+            raise
+        raise core_report.UnknownNodeError(node_name, hint) from None
+
+
+# The names a softmax node gets in fx graphs: softmax, _softmax_2, _safe_softmax_1, ...
+_SOFTMAX_NAME = re.compile(r"_?(safe_)?softmax(_\d+)?")
+
+
+def _captured_attention_hint(gm: torch.fx.GraphModule, report: core_report.Report,
+                             name: str) -> str | None:
+    """For a softmax name where the model called ``scaled_dot_product_attention`` itself
+    (transformers' default attention): the attention nodes to explain instead. Nodes our
+    fusion made are left out: ``core.report.explain`` already names those."""
+    if not _SOFTMAX_NAME.fullmatch(name):
+        return None
+    attention = {r["name"] for r in report.nodes
+                 if r["op_type"] == "scaled_dot_product_attention"}
+    called = [n.name for n in gm.graph.nodes if n.name in attention and FUSED_TAG not in n.meta]
+    if not called:
+        return None
+    if len(called) == 1:
+        return f": attention is one fused node here, {called[0]!r} (explain(gm, {called[0]!r}))"
+    shown = ", ".join(map(repr, called[:3])) + (" ..." if len(called) > 3 else "")
+    return (f": attention is one fused node per call here, {shown} "
+            f"(explain(gm, {called[0]!r}))")

@@ -11,23 +11,24 @@ low-rounded operands, its output rounded to the low dtype::
 This is the low kernel's numerics class, not fp32: a product of two low values is exact in
 fp32, low kernels accumulate in fp32 too, and the result is rounded where the plan said so.
 
-Which kernels (``emulate_gemms=None``): on 'cpu', GEMMs and convolutions when the CPU has no
-native low GEMM (``native_low_gemm``), and each distinct attention call when timing it here
-says the fp32 kernel is faster (``attention_faster_in_fp32``: which wins depends on CPU and
-shape); never on CUDA (decision 0021). Lowered nodes carry ``meta[LOWERED_TAG]``;
-``RestoreLowKernels`` undoes it (a second rewrite plans the low graph).
+Which kernels (``emulate_gemms=None``): on 'cpu', each low GEMM, convolution and attention call
+whose fp32 kernel measures faster on this machine than its low one (``kernel_choice``, timed
+once per process and shape class by ``fx/kernel_timing.py``): a CPU without bf16 units loses
+~100x on low GEMMs, one with them wins ~2x, and attention goes either way by shape; never on
+CUDA (decision 0021). Lowered nodes carry ``meta[LOWERED_TAG]``; ``RestoreLowKernels`` undoes it
+(a second rewrite plans the low graph).
 """
 from __future__ import annotations
 
 import logging
-import statistics
-import time
+import math
 from collections.abc import Callable
 
 import torch
 from torch.fx import Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
+from amp_rewrite.fx import kernel_timing
 from amp_rewrite.fx.apply import DTYPE_SUFFIX, conversion, retyped
 from amp_rewrite.fx.opkeys import size_hint, tensor_val
 from amp_rewrite.fx.view import finished
@@ -56,99 +57,102 @@ def native_low_gemm(dtype: torch.dtype, device: str) -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
 
 
-ATTENTION_MARGIN = 1.2  # the fp32 kernel must win by this factor: no flip-flop on near ties
-_ATTENTION_CHOICES: dict[tuple, tuple[bool, float, float]] = {}  # per process: one timing
+class MeasuredChoice:
+    """``EmulateLowKernels``'s selection on a CPU: the GEMMs, convolutions and attention calls
+    whose fp32 kernel measures faster here than the low one (``kernel_choice``), with the
+    reason; ``timings``: the measurements behind this graph's choices, one per shape class."""
 
+    def __init__(self, low: torch.dtype, train: bool) -> None:
+        self.name, self.train = DTYPE_SUFFIX[low], train
+        self._used: dict[str, kernel_timing.Choice] = {}
 
-def device_choice(low: torch.dtype, native: bool, train: bool
-                  ) -> Callable[[Node], str | None]:
-    """``EmulateLowKernels``'s selection on a CPU: GEMMs/convs where it has no native low GEMM
-    (``native``), attention calls where the fp32 kernel measures faster; with the reason."""
-    name = DTYPE_SUFFIX[low]
-
-    def select(node: Node) -> str | None:
-        if node.target is SDPA:
-            if attention_faster_in_fp32(node, train):
-                return f"the fp32 attention kernel measured faster than the {name} one here"
+    def __call__(self, node: Node) -> str | None:
+        choice = kernel_choice(node, self.train)
+        self._used[choice.shape_class] = choice
+        if choice.chosen != "fp32":
             return None
-        return None if native else f"this CPU has no native {name} GEMM"
-    return select
+        return (f"the fp32 kernel measured faster here: {choice.ms['fp32']:.3g} ms against "
+                f"{choice.ms['low']:.3g} ms for the {self.name} one")
+
+    @property
+    def timings(self) -> list[dict]:
+        return [choice.as_dict() for choice in self._used.values()]
 
 
-def attention_faster_in_fp32(node: Node, train: bool) -> bool:
-    """Whether ``node`` (a low SDPA call on CPU) runs faster as the fp32 kernel on upcast
-    operands, forward and (``train``) backward, timed once per distinct call signature."""
-    key = (_signature(node), train)
-    if key not in _ATTENTION_CHOICES:
-        try:
-            _ATTENTION_CHOICES[key] = _time_attention(node, train)
-        except Exception as e:  # noqa: BLE001 - an unusual call: keep the plan's kernel
-            logger.debug("could not time %s (%s); it keeps its low kernel", node.name, e)
-            _ATTENTION_CHOICES[key] = (False, float("nan"), float("nan"))
-    return _ATTENTION_CHOICES[key][0]
+PROXY_FLOPS = 2.5e8  # forward work of one timed call: the leading dim is cut down to fit
 
 
-def attention_timings() -> list[dict]:
-    """The measurements behind ``attention_faster_in_fp32`` (for reports and benchmarks)."""
-    return [{"call": str(key[0]), "train": key[1], "fp32": fp32, "low_ms": low, "fp32_ms": emu}
-            for key, (fp32, low, emu) in _ATTENTION_CHOICES.items()]
-
-
-def _signature(node: Node) -> tuple:
-    def describe(a):
-        val = tensor_val(a)
-        if val is not None:
-            return (tuple(size_hint(d) for d in val.shape), val.dtype)
-        return a if isinstance(a, (int, float, bool, str, type(None))) else repr(a)
-    return (tuple(map(describe, node.args)),
-            tuple(sorted((k, describe(v)) for k, v in node.kwargs.items())))
-
-
-def _example(a, grad: bool):
-    """A real tensor like ``a``'s example value (zeros for a mask: no -inf rows)."""
-    val = tensor_val(a)
-    if val is None:
-        return a
-    shape = [size_hint(d) for d in val.shape]
-    if val.dtype == torch.bool:
-        return torch.ones(shape, dtype=torch.bool)
-    t = torch.randn(shape).to(val.dtype) if grad else torch.zeros(shape, dtype=val.dtype)
-    return t.requires_grad_(grad and val.dtype.is_floating_point)
-
-
-def _time_attention(node: Node, train: bool) -> tuple[bool, float, float]:
-    # q, k, v take gradients in training; a mask only if it is learned (T5's position bias),
-    # as CPU SDPA takes another backward path for a mask that needs one
-    args = [_example(a, train and (i < 3 or _needs_grad(a))) for i, a in enumerate(node.args)]
-    kwargs = {k: _example(v, train and _needs_grad(v)) for k, v in node.kwargs.items()}
-    # same math every call; dropout costs both sides alike (dropout_p: 5th argument)
-    if len(args) > 4:
-        args[4] = 0.0
-    elif "dropout_p" in kwargs:
-        kwargs["dropout_p"] = 0.0
+def kernel_choice(node: Node, train: bool) -> kernel_timing.Choice:
+    """The low kernel of ``node`` (a low GEMM, conv or SDPA call on CPU) against the fp32 one
+    on upcast operands, forward and (``train``) backward, timed once per shape class: the
+    call with its leading (batch or row) dim cut to ``PROXY_FLOPS`` of work, as which kernel
+    wins does not change with more rows, and a slow candidate (a low GEMM on a CPU without
+    low units) then costs milliseconds, not seconds."""
+    op = str(node.target).split(".")[1]
+    try:
+        args, kwargs = _proxy_call(node, train)
+    except Exception as e:  # noqa: BLE001 - an unusual call: keep the plan's kernel
+        logger.debug("could not build a timing call for %s (%s)", node.name, e)
+        args, kwargs = None, None
+    shape_class = (op, train, _describe_call(args, kwargs) if args is not None else node.name)
+    if args is None:
+        return kernel_timing.choose("kernel", shape_class, {}, "low")
     low = tensor_val(node).dtype
+    target = node.target
 
-    def run(fp32: bool) -> None:
+    def run(fp32: bool) -> Callable[[], None]:
         call_args = [a.float() if fp32 and _is_low(a) else a for a in args]
         call_kwargs = {k: v.float() if fp32 and _is_low(v) else v for k, v in kwargs.items()}
-        with torch.set_grad_enabled(train):
-            out = SDPA(*call_args, **call_kwargs).to(low)
-            if train:
-                out.backward(torch.ones_like(out))
 
-    def median_ms(fp32: bool) -> float:
-        """Median of >= 5 runs and >= 30 ms in all (not the minimum: the low backward is
-        bimodal on CPU, and a step pays the usual run)."""
-        run(fp32)  # warm-up
-        times: list[float] = []
-        while len(times) < 5 or (sum(times) < 0.03 and len(times) < 200):
-            start = time.perf_counter()
-            run(fp32)
-            times.append(time.perf_counter() - start)
-        return 1e3 * statistics.median(times)
+        def call() -> None:
+            with torch.set_grad_enabled(train):
+                out = target(*call_args, **call_kwargs).to(low)
+                if train and out.requires_grad:
+                    out.backward(torch.ones_like(out))
+        return call
+    return kernel_timing.choose("kernel", shape_class, {"low": run(False), "fp32": run(True)},
+                                "low")
 
-    low_ms, fp32_ms = median_ms(False), median_ms(True)
-    return fp32_ms * ATTENTION_MARGIN < low_ms, round(low_ms, 3), round(fp32_ms, 3)
+
+def _proxy_call(node: Node, train: bool) -> tuple[list, dict]:
+    """Real example operands for ``node``: random values (zeros for a float mask: no -inf
+    rows), gradients where they flow in training, the leading dim cut to ``PROXY_FLOPS``."""
+    from amp_rewrite.fx.budget import node_flops  # here: fx/budget imports this module
+
+    op = str(node.target).split(".")[1]
+    rows = size_hint(tensor_val(node).shape[0]) if tensor_val(node).dim() else 1
+    cut = max(1, rows // max(1, math.ceil(node_flops(node, f"aten::{op}") / PROXY_FLOPS)))
+    fixed = 1 if op in ("linear", "conv1d", "conv2d", "conv3d", "convolution") or \
+        op.startswith("conv_transpose") else None  # a weight: its dim 0 is not the batch
+
+    def example(a, position):
+        val = tensor_val(a)
+        if val is None:
+            return a
+        shape = [size_hint(d) for d in val.shape]
+        if shape and shape[0] == rows and position != fixed:
+            shape[0] = cut
+        if val.dtype == torch.bool:
+            return torch.ones(shape, dtype=torch.bool)
+        # in training every operand takes a gradient (activations' example values do not
+        # say so), but an attention mask only if it is learned (T5's position bias): CPU SDPA
+        # takes another backward path for a mask that needs one
+        mask = node.target is SDPA and position not in (0, 1, 2)
+        grad = train and val.dtype.is_floating_point and (not mask or _needs_grad(a))
+        if mask and not grad:
+            return torch.zeros(shape, dtype=val.dtype)
+        return torch.randn(shape).to(val.dtype).requires_grad_(grad)
+    args = [example(a, i) for i, a in enumerate(node.args)]
+    kwargs = {k: example(v, k) for k, v in node.kwargs.items()}
+    return args, kwargs
+
+
+def _describe_call(args: list, kwargs: dict) -> tuple:
+    def describe(a):
+        if isinstance(a, torch.Tensor):
+            return (tuple(a.shape), a.dtype, a.requires_grad)
+        return a if isinstance(a, (int, float, bool, str, type(None))) else repr(a)
+    return (tuple(map(describe, args)), tuple(sorted((k, describe(v)) for k, v in kwargs.items())))
 
 
 def _needs_grad(a) -> bool:

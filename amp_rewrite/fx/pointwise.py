@@ -3,7 +3,8 @@
 ``FusePointwise`` partitions pointwise ATen ops, casts and norms into maximal acyclic regions
 (``CapabilityBasedPartitioner``), each a ``FusedRegion`` submodule (``fused_0``, ...). At call
 time, outside any tracing, a region runs compiled by Inductor through ``aot_autograd``, cached
-process-wide by structure and input metadata (identical layers compile once); when traced it
+process-wide by structure and input metadata (identical layers compile once), unless on a CPU
+its eager ops measure faster (``_compiled_or_eager``); when traced it
 is plain fx code, so the result still compiles and exports. If Inductor fails the regions run
 eager with one log line; ``AMP_REWRITE_FUSED_BACKEND=eager`` skips compiling. Parameters stay
 on the top module; ``UnfuseRegions`` inlines regions back for a second rewrite.
@@ -11,6 +12,7 @@ on the top module; ``UnfuseRegions`` inlines regions back for a second rewrite.
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
 import operator
 import os
@@ -27,6 +29,7 @@ from torch.fx.passes.operator_support import OperatorSupportBase
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 
 from amp_rewrite.errors import described
+from amp_rewrite.fx import kernel_timing
 from amp_rewrite.fx.view import finished, static_numel
 
 log = logging.getLogger(__name__)
@@ -45,8 +48,9 @@ CUDA_REGION_HOST_SECONDS = 70e-6
 CUDA_MEMORY_BYTES_PER_SECOND = 3.0e12  # copy rate measured on an H100 here (H200: 4.3e12)
 CUDA_MIN_SAVED_BYTES = int(CUDA_REGION_HOST_SECONDS * CUDA_MEMORY_BYTES_PER_SECOND)
 
-# (region structure, input metas, grad mode) -> compiled callable; shared by identical regions
-_COMPILED: dict[tuple, Callable] = {}
+# (region structure, input metas, grad mode) -> compiled callable, or None where the eager ops
+# measured faster on this CPU; shared by identical regions
+_COMPILED: dict[tuple, Callable | None] = {}
 _STATE: dict[str, Any] = {"broken": None, "compile_seconds": 0.0, "compiles": 0}
 
 
@@ -184,8 +188,7 @@ def _compiled_for(signature: str, region: torch.fx.GraphModule,
     if os.environ.get(BACKEND_ENV, "inductor") == "eager" or _STATE["broken"]:
         return None
     key = (signature, _input_key(args), torch.is_grad_enabled())
-    compiled = _COMPILED.get(key)
-    if compiled is None:
+    if key not in _COMPILED:
         if not _STATE["compiles"]:  # the first call pauses for seconds: say why, once
             log.warning("compiling fused pointwise regions with Inductor (once per distinct "
                         "region and input shape; %s=eager skips it)", BACKEND_ENV)
@@ -193,14 +196,43 @@ def _compiled_for(signature: str, region: torch.fx.GraphModule,
         compiled = _compile(region, args)
         if compiled is None:
             return None
-        _COMPILED[key] = compiled
         stats["compiles"] += 1
+        if all(a.device.type == "cpu" for a in args):
+            choice = _compiled_or_eager(signature, region, compiled, args)
+            stats.setdefault("measured", []).append(choice.as_dict())
+            if choice.chosen == "eager":
+                compiled = None
+        _COMPILED[key] = compiled
         stats["compile_seconds"] = round(stats["compile_seconds"]
                                          + time.perf_counter() - start, 3)
     elif key not in seen:
         stats["reused"] += 1  # compiled for an identical region, here or in another graph
     seen.add(key)
-    return compiled
+    return _COMPILED[key]
+
+
+def _compiled_or_eager(signature: str, region: torch.fx.GraphModule, compiled: Callable,
+                       args: Sequence[torch.Tensor]) -> kernel_timing.Choice:
+    """Whether the compiled region beats its eager ops on this CPU, forward and (with grad
+    mode on) backward, timed once per process and shape class (``fx/kernel_timing.py``): a
+    region's kernels save memory traffic, but on some CPUs and shapes Inductor's generated
+    code and its autograd wrapper cost more than the eager ATen kernels they replace."""
+    inputs = [a.detach().requires_grad_(a.requires_grad) for a in args]
+
+    def timed(fn: Callable) -> Callable[[], None]:
+        def call() -> None:
+            outs = [o for o in torch.utils._pytree.tree_leaves(fn(*inputs))
+                    if isinstance(o, torch.Tensor) and o.requires_grad]
+            if outs and torch.is_grad_enabled():
+                torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+        return call
+
+    digest = hashlib.sha1(signature.encode()).hexdigest()[:10]
+    shape_class = (f"{digest}: {', '.join(op_names(region))}",
+                   tuple(tuple(a.shape) for a in args), torch.is_grad_enabled())
+    return kernel_timing.choose("pointwise", shape_class,
+                                {"compiled": timed(compiled), "eager": timed(region)},
+                                "compiled")
 
 
 def _compile(region: torch.fx.GraphModule, args: Sequence[torch.Tensor]) -> Callable | None:
@@ -299,7 +331,9 @@ class FusePointwise(PassBase):
     def summary(self) -> dict[str, int]:
         """``compile`` is the regions' one-time Inductor cost, filled in as they first run:
         ``compiles`` and ``compile_seconds`` of this graph, ``reused``: compilations of
-        identical regions (this graph's or another's, e.g. train and eval) it ran instead."""
+        identical regions (this graph's or another's, e.g. train and eval) it ran instead;
+        on a CPU, ``measured``: each compiled region timed against its eager ops, and which
+        one runs (``_compiled_or_eager``)."""
         return {"regions": len(self.regions), "distinct_regions": len(set(self.regions)),
                 "declined_as_too_small": self.declined, "compile": self.compile}
 

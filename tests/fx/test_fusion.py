@@ -433,9 +433,10 @@ def test_a_second_rewrite_gives_the_same_code_where_gemms_are_emulated(monkeypat
     """On a CPU without native bf16 GEMMs (emulated GEMMs add casts by each GEMM) the region
     members and output numbering must not depend on node names or on where the first rewrite
     put its nodes (not ``fused_2_out1`` where the first rewrite said ``fused_2_out0``)."""
-    import amp_rewrite.fx as fx
+    from amp_rewrite.fx import lowering
+    from tests.fx.test_lowering import measured_faster_in_fp32
 
-    monkeypatch.setattr(fx, "native_low_gemm", lambda dtype, device: device != "cpu")
+    monkeypatch.setattr(lowering, "kernel_choice", measured_faster_in_fp32(lowering.KERNELS))
     monkeypatch.setattr(pointwise, "WINDOW", window)
     model, args = _stack()
     first = amp_rewrite.rewrite(model, args, dtype=torch.bfloat16)
