@@ -85,8 +85,8 @@ def rewrite(model: torch.nn.Module, example_inputs: Any = None, *,
     ``fx/pointwise.py``); False gives the unfused graph.
     ``emulate_gemms``: run the GEMMs, convolutions and attention the plan makes low as fp32
     kernels on low-rounded operands (``fx/lowering.py``). None (default): only with ``fuse``,
-    on a CPU without native bf16/fp16 GEMMs, and attention calls the fp32 kernel runs
-    faster (timed once per call); never on CUDA. True: every low kernel; False: none.
+    on a CPU, each call whose fp32 kernel measures faster there (timed once per process and
+    shape class, ``fx/kernel_timing.py``); never on CUDA. True: every low kernel; False: none.
     ``fp8``: None (default), 'tensorwise' or 'rowwise' (needs ``dtype=torch.bfloat16``): the
     bf16 GEMMs an H100 cost model says gain run as ``torch._scaled_mm`` with dynamic scales,
     forward and backward (``fx/fp8.py``); ``fp8_grad_dtype``: the gradients' FP8 dtype
