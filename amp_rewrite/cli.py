@@ -364,12 +364,14 @@ def _validate_stage(args, result, stages) -> tuple:
         validation = _validate(args, result)
     except ValidationError as e:  # could not run: still report and summarise, then exit 4
         return None, e
-    errors, tolerance = validation
-    if all(e.ok(tolerance) for e in errors):
+    if validation.ok():
         return validation, None
+    if validation.overflows:
+        return validation, ValidationError(f"{validation.overflow_summary()}; the model was "
+                                           f"not written (fix: {validation.overflow_fix()})")
     return validation, ValidationError(
-        f"rewritten outputs differ from FP32 beyond tolerance {tolerance:g}; the model was not "
-        "written (try --keep-fp32 or --calibrate)")
+        f"rewritten outputs differ from FP32 beyond tolerance {validation.tolerance:g}; the "
+        "model was not written (try --keep-fp32 or --calibrate)")
 
 
 def _read_paths(args) -> dict[str, list[str]]:
@@ -421,7 +423,8 @@ def _validate(args, result):
     mixed = (save.proto_with_weights(result.model, result.info) if result.needs_external_data
              else result.proto())
     feeds = validate.load_feeds(args.calibrate) if args.calibrate else None
-    return validate.validate(fp32, mixed, LowDtype.parse(args.dtype), feeds, args.tolerance)
+    return validate.validate_rewrite(fp32, mixed, LowDtype.parse(args.dtype), feeds,
+                                     args.tolerance)
 
 
 def _finish(args, result, out: Path | None, validation, seconds: float,
@@ -430,7 +433,8 @@ def _finish(args, result, out: Path | None, validation, seconds: float,
                   output=str(out) if out else None, seconds=round(seconds, 3),
                   runs_on=_runs_on(args, result))
     if validation is not None:
-        report["validation"] = [e.__dict__ for e in validation[0]]
+        report["validation"] = [e.__dict__ for e in validation.errors]
+        report["validation_overflows"] = [o.__dict__ for o in validation.overflows]
     if report_path is not None:
         from amp_rewrite.onnx import save
 
@@ -544,7 +548,7 @@ def _padded_row(padding: dict) -> str:
 
 
 def _print_validation(validation, runs_on: str | None = None) -> None:
-    errors, tol = validation
+    errors, tol = validation.errors, validation.tolerance
     if runs_on:
         print("validated in onnx.reference: bfloat16 targets GPU providers")
     print(f"{'output':<24} {'max abs':>10} {'max rel':>10}  status (tolerance {tol:g})")

@@ -1,18 +1,30 @@
-"""``onnx.reference`` kernels for the onnxruntime contrib ops the fusion step can emit.
+"""``onnx.reference`` kernels for the onnxruntime contrib ops the fusion step can emit, and
+float32-accumulating versions of the standard GEMMs and normalisations.
 
-Each follows the onnxruntime kernel it stands for: inputs read in their declared dtype,
-arithmetic in float32, every output rounded once to its declared dtype, so validation sees
-the runtime's rounding.
+Each follows the GPU kernel it stands for: inputs read in their declared dtype, arithmetic in
+float32, every output rounded once to its declared dtype, so validation sees the runtime's
+rounding. onnx.reference itself computes a float16 normalisation in float16 (x² overflows
+for |x| > 256, where the runtime keeps its statistics in float32) and a float16 GEMM without
+BLAS, about 20 times slower than the same product in float32.
 """
 from __future__ import annotations
 
 import math
 
+import ml_dtypes
 import numpy as np
 from onnx.reference.op_run import OpRun
+from onnx.reference.ops import (op_conv, op_conv_transpose, op_gemm, op_instance_normalization,
+                                op_layer_normalization, op_matmul)
+
+try:
+    from onnx.reference.ops.op_rms_normalization import RMSNormalization as _RMSNormalization
+except ImportError:  # onnx < 1.18 has no RMSNormalization (opset 23) to run
+    _RMSNormalization = None
 
 MS_DOMAIN = "com.microsoft"
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+LOW_FLOATS = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 
 
 def _f32(x: np.ndarray) -> np.ndarray:
@@ -287,6 +299,63 @@ class GroupQueryAttention(_OmitsOutputs):
         result = out.transpose(0, 2, 1, 3).reshape(b, s, n * head).astype(query.dtype)
         return result, present_k, present_v
 
+
+class _InFloat32(OpRun):
+    """Mixin before an onnx.reference kernel: the kernel runs on float32 copies of the
+    low-precision float inputs and the outputs listed in ``rounded_outputs`` (None: all) are
+    rounded back to that dtype; the others (float32 statistics) stay float32."""
+
+    op_domain = ""
+    rounded_outputs: tuple[int, ...] | None = None
+
+    def _run(self, *inputs, **attributes):
+        low = next((x.dtype for x in inputs if _is_low(x)), None)
+        if low is None:
+            return super()._run(*inputs, **attributes)
+        outputs = super()._run(*(_f32(x) if _is_low(x) else x for x in inputs), **attributes)
+        return tuple(o.astype(low) if self.rounded_outputs is None or i in self.rounded_outputs
+                     else o for i, o in enumerate(outputs))
+
+
+def _is_low(x) -> bool:
+    return isinstance(x, np.ndarray) and x.dtype in LOW_FLOATS
+
+
+class MatMul(_InFloat32, op_matmul.MatMul):
+    pass
+
+
+class Gemm(_InFloat32, op_gemm.Gemm_7):
+    def _run(self, a, b, c=None, broadcast=None, **attributes):
+        # opset 6's ``broadcast`` flag: numpy broadcasts C in any case
+        return super()._run(a, b, c, **attributes)
+
+
+class Conv(_InFloat32, op_conv.Conv):
+    pass
+
+
+class ConvTranspose(_InFloat32, op_conv_transpose.ConvTranspose):
+    pass
+
+
+class LayerNormalization(_OmitsOutputs, _InFloat32, op_layer_normalization.LayerNormalization):
+    rounded_outputs = (0,)  # Mean and InvStdDev are float32 (stash_type 1, all it supports)
+
+
+class InstanceNormalization(_InFloat32, op_instance_normalization.InstanceNormalization):
+    pass
+
+
+#: Standard ops computed in float32 and rounded once (module docstring).
+FLOAT32_KERNELS: tuple[type[OpRun], ...] = (
+    MatMul, Gemm, Conv, ConvTranspose, LayerNormalization, InstanceNormalization,
+)
+if _RMSNormalization is not None:
+    class RMSNormalization(_InFloat32, _RMSNormalization):
+        pass
+
+    FLOAT32_KERNELS += (RMSNormalization,)
 
 #: Every contrib op the fusion step can emit (tests check the list against fusion.FUSED_OPS).
 CONTRIB_OPS: tuple[type[OpRun], ...] = (

@@ -1,17 +1,22 @@
 """Run FP32 and rewritten models side by side; calibration maxima; runtime selection.
 
 Errors are measured per output as max|a−b| and max|a−b| / max|a_fp32| (relative to the
-output's scale, so values near zero do not blow the ratio up).
+output's scale, so values near zero do not blow the ratio up). ``validate_rewrite`` (what
+``--validate`` runs) also runs the rewritten model per op, as a GPU rounds it, and finds the
+low-precision nodes that overflow (``Overflow``).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import dataclasses
 import functools
 import logging
 import math
 import re
 import os
-from collections.abc import Mapping
+import shlex
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -183,7 +188,8 @@ def compare(reference: Mapping[str, np.ndarray], got: Mapping[str, np.ndarray]) 
         ref64, out64 = ref.astype(np.float64), out.astype(np.float64)
         finite = np.isfinite(ref64)
         new_bad = bool((finite & ~np.isfinite(out64)).any())
-        diff = np.abs(ref64 - out64)[finite & np.isfinite(out64)]
+        with np.errstate(invalid="ignore"):  # inf - inf where both runs are inf: masked out
+            diff = np.abs(ref64 - out64)[finite & np.isfinite(out64)]
         max_abs = float(diff.max()) if diff.size else 0.0
         scale = float(np.abs(ref64[finite]).max()) if finite.any() else 0.0
         errors.append(OutputError(name, max_abs, max_abs / max(scale, 1e-30), new_bad))
@@ -216,9 +222,11 @@ def as_declared(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dict
     return out
 
 
-def run(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+def run(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray],
+        reference_outputs: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """Outputs by name from onnxruntime, or the reference evaluator where ORT has no kernel
-    (ORT-CPU implements almost nothing in bfloat16). Feeds follow ``as_declared``."""
+    (ORT-CPU implements almost nothing in bfloat16): ``reference_outputs`` when the caller
+    has run it already. Feeds follow ``as_declared``."""
     feeds = as_declared(model, feeds)
     names = [_text(o.name) for o in model.graph.output]
     try:
@@ -227,6 +235,8 @@ def run(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dict[str, np
         if "NOT_IMPLEMENTED" not in str(e):
             raise ModelError(f"onnxruntime cannot load the model: {first_line(e)}") from e
         logger.info("onnxruntime lacks a kernel (%s); using onnx.reference", str(e)[:120])
+        if reference_outputs is not None:
+            return dict(reference_outputs)
         return reference_run(model, feeds)
     return dict(zip(names, sess.run(None, dict(feeds))))
 
@@ -369,37 +379,51 @@ def _reference_fixes() -> list[type]:
                            for d, n in enumerate(indices.shape))
             return (np.take_along_axis(data[window], indices, axis=axis),)
 
-    from amp_rewrite.onnx.reference_ops import CONTRIB_OPS
+    from amp_rewrite.onnx.reference_ops import CONTRIB_OPS, FLOAT32_KERNELS
 
     # contrib ops: the fused ops of amp_rewrite.onnx.fusion
-    return [GatherElements, AveragePool, *CONTRIB_OPS]
+    return [GatherElements, AveragePool, *FLOAT32_KERNELS, *CONTRIB_OPS]
 
 
 def validate(fp32: onnx.ModelProto, mixed: onnx.ModelProto, dtype: LowDtype,
              feeds: Mapping[str, np.ndarray] | None = None,
              tolerance: float | None = None) -> tuple[list[OutputError], float]:
     """Per-output errors of ``mixed`` against ``fp32`` on ``feeds`` (seeded random inputs by
-    default). Validation that cannot run (no outputs, inputs that cannot be made, a runtime
-    failing on them) is a ValidationError saying why, with a fix."""
+    default), both run in onnxruntime. Validation that cannot run (no outputs, inputs that
+    cannot be made, a runtime failing on them) is a ValidationError saying why, with a fix.
+    ``validate_rewrite`` adds the per-op overflow check."""
+    fp32, feeds, origin = _validation_inputs(fp32, feeds)
+    reference = _run_for_validation(fp32, feeds, "the FP32 model", origin)
+    got = _run_for_validation(mixed, feeds, "the rewritten model", origin)
+    return _compare_by_position(reference, got), _tolerance(dtype, tolerance)
+
+
+def _validation_inputs(fp32: onnx.ModelProto, feeds) -> tuple[onnx.ModelProto, dict, str]:
+    """(the FP32 model with text I/O names, the feeds, where they came from)"""
     if not fp32.graph.output:
         raise ValidationError("cannot validate: the model has no graph outputs to compare")
     fp32 = _with_text_io_names(fp32)
     if feeds is None:
-        feeds, origin = random_feeds(fp32), "random inputs"
-    else:
-        check_feeds(fp32, feeds)
-        origin = "the given inputs"
-    tolerance = REL_TOLERANCE[dtype] if tolerance is None else tolerance
-    reference = _run_for_validation(fp32, feeds, "the FP32 model", origin)
-    got = _run_for_validation(mixed, feeds, "the rewritten model", origin)
+        return fp32, random_feeds(fp32), "random inputs"
+    check_feeds(fp32, feeds)
+    return fp32, dict(feeds), "the given inputs"
+
+
+def _tolerance(dtype: LowDtype, tolerance: float | None) -> float:
+    return REL_TOLERANCE[dtype] if tolerance is None else tolerance
+
+
+def _compare_by_position(reference: Mapping[str, np.ndarray],
+                         got: Mapping[str, np.ndarray]) -> list[OutputError]:
     # by position: the rewrite keeps the outputs' order, and their names as far as they are
     # valid text (invalid UTF-8 is escaped in the output)
-    return compare(reference, dict(zip(reference, got.values()))), tolerance
+    return compare(reference, dict(zip(reference, got.values())))
 
 
-def _run_for_validation(model: onnx.ModelProto, feeds, which: str, origin: str):
+def _run_for_validation(model: onnx.ModelProto, feeds, which: str, origin: str,
+                        reference_outputs: Mapping[str, np.ndarray] | None = None):
     try:
-        return run(model, feeds)
+        return run(model, feeds, reference_outputs)
     except UsageError:
         raise
     except ModelError as e:
@@ -414,6 +438,248 @@ def _run_for_validation(model: onnx.ModelProto, feeds, which: str, origin: str):
         hint = f"; {CALIBRATE_HINT}" if origin == "random inputs" else ""
         raise ValidationError(f"onnxruntime failed running {which} on {origin} "
                               f"({first_line(e)[:300]}){hint}") from None
+
+
+@dataclass(frozen=True)
+class Overflow:
+    """Where a low-precision overflow starts: a node computing in the low dtype whose output
+    is inf/NaN where the FP32 model's value is finite, while its inputs are not. A cast the
+    rewrite inserted is such a node when an fp32 value is too large for its low ``readers``:
+    they are the nodes to keep fp32 then."""
+
+    node: str
+    op_type: str
+    value: str  # the FP32 model's name of the value
+    fp32_max: float | None  # max finite |x| of that value in the FP32 run (None: no twin)
+    readers: tuple[str, ...] = ()  # an inserted cast's readers
+
+    @property
+    def keep_fp32(self) -> tuple[str, ...]:
+        return self.readers or (self.node,)
+
+    def describe(self, dtype: LowDtype) -> str:
+        peak = "" if self.fp32_max is None else f" (FP32 max |x| {self.fp32_max:.3g})"
+        if self.readers:
+            named = ", ".join(repr(r) for r in self.readers if r) or "its readers"
+            return f"the cast of {self.value!r}{peak} to {dtype.value} for {named}"
+        return f"{self.op_type} {self.node or self.value!r}{peak}"
+
+
+@dataclass(frozen=True)
+class Validation:
+    """What ``--validate`` found (``validate_rewrite``): onnxruntime's error per output, and
+    the overflows of the per-op run that reach a graph output (those outputs are marked
+    ``new_nonfinite``)."""
+
+    errors: list[OutputError]
+    tolerance: float
+    dtype: LowDtype
+    overflows: list[Overflow]
+    overflowed_outputs: list[str]
+    origin: str  # where the inputs came from
+    per_op_skipped: str | None = None  # why the per-op run could not run
+
+    def ok(self) -> bool:
+        return not self.overflows and all(e.ok(self.tolerance) for e in self.errors)
+
+    def overflow_summary(self) -> str:
+        """One line: the first overflowing nodes and the outputs they reach."""
+        low = self.dtype.value
+        shown = "; ".join(o.describe(self.dtype) for o in self.overflows[:3])
+        more = f" and {len(self.overflows) - 3} more" if len(self.overflows) > 3 else ""
+        outputs = ", ".join(map(repr, self.overflowed_outputs))
+        return (f"{low} overflow at {shown}{more}: inf/NaN where the FP32 model is finite "
+                f"({low} holds ±{_low_max(self.dtype):.5g}), reaching output(s) {outputs} "
+                f"when each op rounds to {low} as a GPU does ({self.origin})")
+
+    def overflow_fix(self) -> str:
+        """What to pass instead: real inputs for calibration, or the nodes kept fp32."""
+        keep = list(dict.fromkeys(n for o in self.overflows[:3] for n in o.keep_fp32 if n))
+        keep_flag = f"--keep-fp32 {shlex.quote(','.join(map(_fnmatch_literal, keep)))}"
+        if self.origin == "random inputs":
+            calibrate = (f"pass real inputs with --calibrate DATA.npz (nodes they drive "
+                         f"beyond the {self.dtype.value} range stay fp32)")
+            return f"{calibrate}, or {keep_flag}" if keep else calibrate
+        return f"{keep_flag}, or a lower --threshold" if keep else "a lower --threshold"
+
+
+def _low_max(dtype: LowDtype) -> float:
+    import ml_dtypes
+
+    return float(ml_dtypes.finfo(ml_dtypes.bfloat16 if dtype is LowDtype.BFLOAT16
+                                 else np.float16).max)
+
+
+def _fnmatch_literal(name: str) -> str:
+    from amp_rewrite.core.budget import fnmatch_literal
+
+    return fnmatch_literal(name)
+
+
+def validate_rewrite(fp32: onnx.ModelProto, mixed: onnx.ModelProto, dtype: LowDtype,
+                     feeds: Mapping[str, np.ndarray] | None = None,
+                     tolerance: float | None = None) -> Validation:
+    """``validate``, plus the rewritten model run per op in onnx.reference, every op rounding
+    its outputs to its declared dtype as a GPU does: onnxruntime's CPU provider runs many
+    float16 ops in float32 and folds the cast pairs around them, which hides an overflow.
+    A node of the main graph computing in the low dtype whose output turns inf/NaN where the
+    FP32 model's value is finite, and from which that reaches a graph output, is an
+    ``Overflow``; one the graph absorbs (a masked score the softmax zeroes) is not.
+
+    One reference run serves both checks where onnxruntime lacks kernels (bfloat16), and the
+    one FP32 run also fetches the FP32 values of whatever the reference run finds non-finite.
+    Where onnx.reference cannot run the model, only ``validate``'s comparison is made (a
+    warning says so)."""
+    fp32, feeds, origin = _validation_inputs(fp32, feeds)
+    low = _per_op_run(mixed, feeds)
+    twins = _FP32Twins(mixed.graph, fp32.graph)
+    outputs = [_text(o.name) for o in fp32.graph.output]
+    wanted = sorted({twins.of(name) for name in low.nonfinite} - {None, *outputs})
+    fp32_values = _run_fetching(fp32, feeds, wanted, origin)
+    reference = {name: fp32_values[name] for name in outputs}
+    got = _run_for_validation(mixed, feeds, "the rewritten model", origin, low.outputs)
+    overflows, reached = _overflows(mixed.graph, low, fp32_values, twins)
+    errors = [dataclasses.replace(e, new_nonfinite=True) if j in reached else e
+              for j, e in enumerate(_compare_by_position(reference, got))]
+    if low.skipped:  # said once both runs have made it: a failure of theirs says more
+        logger.warning("--validate: %s; low-precision overflow is checked on onnxruntime's "
+                       "outputs only", low.skipped)
+    return Validation(errors, _tolerance(dtype, tolerance), dtype, overflows,
+                      [outputs[j] for j in reached], origin, low.skipped)
+
+
+@dataclass
+class _PerOpRun:
+    """The rewritten model under onnx.reference: its outputs, and for every main-graph node
+    output holding inf/NaN, where (a mask) and whether its dtype is a low one. Where
+    onnx.reference cannot run the model: no outputs, nothing non-finite, and why."""
+
+    outputs: dict[str, np.ndarray] | None = None
+    nonfinite: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    low: set[str] = dataclasses.field(default_factory=set)
+    skipped: str | None = None
+
+
+def _per_op_run(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> _PerOpRun:
+    """The per-op run. One onnx.reference cannot make is a second opinion missing, not a
+    failure: onnxruntime's comparison still stands (``validate_rewrite`` warns)."""
+    from amp_rewrite.onnx.reference_ops import LOW_FLOATS
+
+    try:
+        with np.errstate(all="ignore"):  # overflow is what this run looks for
+            values = reference_evaluator(model).run(None, as_declared(model, feeds),
+                                                    intermediate=True)
+    except Exception as e:  # noqa: BLE001 - onnx.reference's kernels raise any type
+        return _PerOpRun(skipped=f"onnx.reference cannot run the rewritten model "
+                                 f"({first_line(e)[:200]})")
+    run_ = _PerOpRun({_text(o.name): values[o.name] for o in model.graph.output})
+    for node in model.graph.node:
+        for name in node.output:
+            value = values.get(name) if name else None
+            if not isinstance(value, np.ndarray) or not (value.dtype.kind == "f"
+                                                         or value.dtype in LOW_FLOATS):
+                continue
+            bad = ~np.isfinite(value)
+            if bad.any():
+                run_.nonfinite[name] = bad
+                if value.dtype in LOW_FLOATS:
+                    run_.low.add(name)
+    return run_
+
+
+class _FP32Twins:
+    """Value of the rewritten main graph -> the FP32 model's value it stands for: the same
+    name, or the one across the casts (pads, slices) the rewrite inserted (a graph output
+    made low is renamed, and the inserted cast back writes its name)."""
+
+    def __init__(self, mixed: onnx.GraphProto, fp32: onnx.GraphProto) -> None:
+        from amp_rewrite.onnx.view import INSERTED_TAG
+
+        names = {*(i.name for i in fp32.input), *(t.name for t in fp32.initializer),
+                 *(o for n in fp32.node for o in n.output)}
+        linked: dict[str, list[str]] = {}
+        for node in mixed.node:
+            if node.input and node.output \
+                    and any(p.key == INSERTED_TAG for p in node.metadata_props):
+                a, b = (linked.get(v, [v]) for v in (node.input[0], node.output[0]))
+                if a is not b:
+                    for v in a + b:
+                        linked[v] = a + b
+        self.twins = {v: next((m for m in group if m in names), None)
+                      for v, group in linked.items()}
+        self.names = names
+
+    def of(self, name: str) -> str | None:
+        return self.twins[name] if name in self.twins else (name if name in self.names else None)
+
+
+def _run_fetching(model: onnx.ModelProto, feeds, extra: list[str], origin: str) -> dict:
+    """The FP32 model's outputs and the ``extra`` values, by name, in one run."""
+    with _fetching(model, extra):
+        return _run_for_validation(model, feeds, "the FP32 model", origin)
+
+
+@contextlib.contextmanager
+def _fetching(model: onnx.ModelProto, names: list[str]) -> Iterator[None]:
+    """``model`` with ``names`` as extra graph outputs, for the duration (no copy of the
+    weights; onnxruntime types an untyped output itself)."""
+    count = len(model.graph.output)
+    model.graph.output.extend(onnx.ValueInfoProto(name=n) for n in names)
+    try:
+        yield
+    finally:
+        del model.graph.output[count:]
+
+
+def _overflows(graph: onnx.GraphProto, low: _PerOpRun, fp32: Mapping[str, np.ndarray],
+               twins: _FP32Twins) -> tuple[list[Overflow], list[int]]:
+    """(the overflows that reach a graph output, in graph order; the positions of those
+    outputs). A value is newly non-finite where its FP32 twin is finite; the nodes where
+    that starts (no input newly non-finite) are followed down to the outputs."""
+    starts: dict[str, frozenset[int]] = {}  # newly non-finite value -> the nodes it starts at
+    low_starts: dict[int, str] = {}  # node -> its low-precision output that starts one
+    for index, node in enumerate(graph.node):
+        inherited = frozenset().union(*(starts[i] for i in node.input if i in starts))
+        clean_inputs = not any(i in low.nonfinite for i in node.input)
+        for name in node.output:
+            twin = twins.of(name)
+            if name not in low.nonfinite or not _newly_nonfinite(
+                    low.nonfinite[name], fp32.get(twin) if twin else None,
+                    bool(inherited) or clean_inputs):
+                continue
+            starts[name] = inherited or frozenset({index})
+            if not inherited and name in low.low:
+                low_starts.setdefault(index, name)
+    reached = [j for j, o in enumerate(graph.output)
+               if starts.get(o.name, frozenset()) & low_starts.keys()]
+    first = sorted(frozenset().union(*(starts[graph.output[j].name] for j in reached))
+                   & low_starts.keys())
+    return [_overflow(graph, graph.node[i], low_starts[i], fp32, twins) for i in first], reached
+
+
+def _newly_nonfinite(mask: np.ndarray, fp32_value: np.ndarray | None, default: bool) -> bool:
+    """inf/NaN where the FP32 value is finite (elementwise where the shapes agree, else the
+    whole FP32 value finite); ``default`` for a value with no FP32 twin (a fused node's)."""
+    if fp32_value is None:
+        return default
+    finite = np.isfinite(fp32_value)
+    return bool((mask & finite).any()) if finite.shape == mask.shape else bool(finite.all())
+
+
+def _overflow(graph: onnx.GraphProto, node: onnx.NodeProto, value: str,
+              fp32: Mapping[str, np.ndarray], twins: _FP32Twins) -> Overflow:
+    from amp_rewrite.onnx.view import INSERTED_TAG
+
+    twin = twins.of(value)
+    peak = _finite_max(fp32[twin]) if twin in fp32 else None
+    inserted = any(p.key == INSERTED_TAG for p in node.metadata_props)
+    readers = tuple(n.name for n in graph.node if value in n.input) if inserted else ()
+    return Overflow(node.name, node.op_type, twin or value, peak, readers)
+
+
+def _finite_max(a: np.ndarray) -> float | None:
+    finite = np.abs(a[np.isfinite(a)]) if a.size else a
+    return float(finite.max()) if finite.size else None
 
 
 def value_maxima(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dict[str, float]:
