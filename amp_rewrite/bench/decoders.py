@@ -132,7 +132,7 @@ def _wrappers() -> dict[str, type]:
                 config=self.model.config)
             out = self.model(input_ids=input_ids, attention_mask=attention_mask,
                              position_ids=position_ids, past_key_values=cache, use_cache=True)
-            return (out.logits, *flat_present(out.past_key_values, LAYERS))
+            return (out.logits, *flat_present(out.past_key_values, len(past) // 2))
 
     class CausalPrefill(torch.nn.Module):
         def __init__(self, model: torch.nn.Module) -> None:
@@ -143,7 +143,8 @@ def _wrappers() -> dict[str, type]:
             cache = DynamicCache(config=self.model.config)
             out = self.model(input_ids=input_ids, attention_mask=attention_mask,
                              position_ids=position_ids, past_key_values=cache, use_cache=True)
-            return (out.logits, *flat_present(out.past_key_values, LAYERS))
+            return (out.logits, *flat_present(out.past_key_values,
+                                              self.model.config.num_hidden_layers))
 
     class WhisperDecode(torch.nn.Module):
         def __init__(self, model: torch.nn.Module) -> None:
