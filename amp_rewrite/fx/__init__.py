@@ -36,8 +36,8 @@ from amp_rewrite.fx.lowering import (LOWERED_TAG, EmulateLowKernels, RestoreLowK
 from amp_rewrite.fx.lowering import explanation as lowering_explanation
 from amp_rewrite.fx.modes import TrainEvalModule, in_mode
 from amp_rewrite.fx.pad import PadGemms
-from amp_rewrite.fx.passes import (FunctionalizeInPlace, FxOptions, InlineModules,
-                                   MixedPrecisionPass)
+from amp_rewrite.fx.passes import (DropFullSlices, FunctionalizeInPlace, FxOptions,
+                                   InlineModules, MixedPrecisionPass)
 from amp_rewrite.fx.masks import DropTrivialAttentionMasks
 from amp_rewrite.fx.pointwise import CUDA_MIN_SAVED_BYTES, FusePointwise, UnfuseRegions
 from amp_rewrite.fx.view import is_cast
@@ -254,6 +254,7 @@ def _prepare(gm: torch.fx.GraphModule, options: FxOptions) -> _Prepared:
         if inlined or (fused and not fill_missing_fake_values(gm)):
             refresh_fake_values(gm)
         FunctionalizeInPlace()(gm)
+        DropFullSlices()(gm)
         masks = DropTrivialAttentionMasks()
         masks(gm)
     return _Prepared(options, rule_set, convert.notes, masks, start)

@@ -5,6 +5,7 @@
 * ``FunctionalizeInPlace``: an in-place op on an intermediate tensor nothing reads afterwards
   → its out-of-place form; in-place ops on inputs, parameters and buffers (also through views)
   or on tensors read later stay.
+* ``DropFullSlices``: a ``slice`` that keeps every element (``x[:, 0:]``) → ``x``.
 * ``MixedPrecisionPass``: view → core plan → apply → refreshed ``meta['val']``.
 
 Each returns ``PassResult(gm, modified)`` from what it changed; a second run changes nothing.
@@ -88,6 +89,40 @@ def _field(gm: torch.fx.GraphModule, node: Node, module: nn.Module, field: str) 
     if getattr(module, name, None) is None:
         return None
     return gm.graph.get_attr(f"{node.target}.{name}")
+
+
+class DropFullSlices(PassBase):
+    """``aten.slice(x, dim, 0, end >= size)`` with step 1 → ``x``. Exports keep such slices
+    (Hugging Face LMs slice the hidden states for ``logits_to_keep=0``); eager autograd then
+    runs a SliceBackward that zero-fills and copies a gradient of the full size. Slices that
+    an in-place op writes through stay: the write must reach the base."""
+
+    def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
+        dropped = 0
+        for node in list(graph_module.graph.nodes):
+            if _is_full_slice(node) and not any(
+                    opkeys.mutated_argument(user, graph_module) is not None
+                    for user in node.users):
+                node.replace_all_uses_with(node.args[0])
+                graph_module.graph.erase_node(node)
+                dropped += 1
+        return finished(graph_module, bool(dropped))
+
+
+def _is_full_slice(node: Node) -> bool:
+    if node.op != "call_function" or node.target is not torch.ops.aten.slice.Tensor \
+            or node.kwargs:
+        return False
+    defaults = (None, 0, None, None, 1)  # slice.Tensor(self, dim=0, start=None, end=None, step=1)
+    source, dim, start, end, step = (*node.args, *defaults[len(node.args):])
+    source_val, val = opkeys.tensor_val(source), opkeys.tensor_val(node)
+    if source_val is None or val is None or step != 1 or start not in (0, None):
+        return False
+    size = source_val.shape[dim]
+    # a slice to the end of the dim (sys.maxsize, as exported) or past its (static) size
+    whole = end is None or isinstance(end, int) and (
+        end >= 2**62 or isinstance(size, int) and end >= size)
+    return whole and val.shape == source_val.shape
 
 
 class FunctionalizeInPlace(PassBase):

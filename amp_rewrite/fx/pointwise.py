@@ -214,9 +214,12 @@ def _compiled_for(signature: str, region: torch.fx.GraphModule,
 def _compiled_or_eager(signature: str, region: torch.fx.GraphModule, compiled: Callable,
                        args: Sequence[torch.Tensor]) -> kernel_timing.Choice:
     """Whether the compiled region beats its eager ops on this CPU, forward and (with grad
-    mode on) backward, timed once per process and shape class (``fx/kernel_timing.py``): a
-    region's kernels save memory traffic, but on some CPUs and shapes Inductor's generated
-    code and its autograd wrapper cost more than the eager ATen kernels they replace."""
+    mode on) backward, timed once per process and shape class (``fx/kernel_timing.py``).
+    Eager is the default, which the compiled region must beat by the margin: a region's
+    kernels save memory traffic, but on CPUs Inductor's generated code and its autograd
+    wrapper often cost more than the eager ATen kernels, and timed alone (inputs in cache)
+    a region flatters the compiled side; whole training steps ran slower with every region
+    compiled than with none (docs/decisions/0033-cpu-kernels-by-measurement.md)."""
     inputs = [a.detach().requires_grad_(a.requires_grad) for a in args]
 
     def timed(fn: Callable) -> Callable[[], None]:
@@ -232,7 +235,7 @@ def _compiled_or_eager(signature: str, region: torch.fx.GraphModule, compiled: C
                    tuple(tuple(a.shape) for a in args), torch.is_grad_enabled())
     return kernel_timing.choose("pointwise", shape_class,
                                 {"compiled": timed(compiled), "eager": timed(region)},
-                                "compiled")
+                                "eager")
 
 
 def _compile(region: torch.fx.GraphModule, args: Sequence[torch.Tensor]) -> Callable | None:
