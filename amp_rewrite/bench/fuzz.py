@@ -7,6 +7,8 @@ dim, a name, an attribute, the node order, the header, the raw bytes of the file
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
 import io
 import random
 import shutil
@@ -69,6 +71,35 @@ def seed_models() -> dict[str, onnx.ModelProto]:
         m.producer_name = "fuzz"
         onnx.checker.check_model(m, full_check=True)
         models[name] = m
+    return models
+
+
+# The zoo's families as people deploy them: SDPA attention with dynamic axes, an image
+# model, a UNet stage, encoder-decoders and KV-cache decoder steps (``zoo.cached_onnx`` and
+# ``decoders.cached_decoder`` keyword arguments, or a decoder's name).
+ZOO_SEEDS: dict[str, dict | str] = {
+    "bert-sdpa-dynamic": {"name": "bert", "attn_implementation": "sdpa", "dynamic": True},
+    "llama-sdpa-dynamic": {"name": "llama", "attn_implementation": "sdpa", "dynamic": True},
+    "vit-sdpa-dynamic": {"name": "vit", "attn_implementation": "sdpa", "dynamic": True},
+    "unet_block-sdpa-dynamic": {"name": "unet_block", "attn_implementation": "sdpa",
+                                "dynamic": True},
+    "t5": {"name": "t5"},
+    "bart": {"name": "bart"},
+    "llama-decode": "llama-decode",
+    "whisper-decode": "whisper-decode",
+}
+
+
+def zoo_seed_models(names: list[str] | None = None) -> dict[str, onnx.ModelProto]:
+    """The ``ZOO_SEEDS`` models (exported on first use, then cached)."""
+    from amp_rewrite.bench import decoders, zoo
+
+    models = {}
+    for name in names or sorted(ZOO_SEEDS):
+        how = ZOO_SEEDS[name]
+        path = (decoders.cached_decoder(how) if isinstance(how, str)
+                else zoo.cached_onnx(how["name"], **{k: v for k, v in how.items() if k != "name"}))
+        models[name] = onnx.load(path)
     return models
 
 
@@ -331,6 +362,16 @@ def make_case(seed: int, models: dict[str, onnx.ModelProto]) -> Case:
     return Case(seed, base, names, data, flags, calibration, external)
 
 
+def with_dtype(case: Case, dtype: str | None) -> Case:
+    """The case run with ``--dtype dtype`` in place of the dtype it drew (None: unchanged)."""
+    if dtype is None:
+        return case
+    flags = list(case.flags)
+    if "--dtype" in flags:
+        del flags[flags.index("--dtype"):flags.index("--dtype") + 2]
+    return dataclasses.replace(case, flags=[*flags, "--dtype", dtype])
+
+
 def _write_model(case: Case, src: Path) -> None:
     """The case's bytes, or (``case.external``) the model with its weights in a side file,
     damaged as the case says."""
@@ -389,11 +430,18 @@ class Outcome:
     case: Case
     exit_code: int
     stderr: str
+    input_changed: bool = False
+    # the full ONNX check's error on an output whose input passes it, else None
+    output_check_error: str | None = None
 
     @property
     def bad(self) -> bool:
-        """An internal error (exit 1), a traceback, or an undocumented exit code."""
-        return self.exit_code not in (0, 2, 3, 4) or "Traceback" in self.stderr
+        """An internal error (exit 1 or a message that says so), a traceback, an
+        undocumented exit code, a changed input file, or an output that fails the full check
+        where its input passes it."""
+        return (self.exit_code not in (0, 2, 3, 4) or "Traceback" in self.stderr
+                or "internal error" in self.stderr or self.input_changed
+                or self.output_check_error is not None)
 
 
 def run_case(case: Case, workdir: Path) -> Outcome:
@@ -408,13 +456,40 @@ def run_case(case: Case, workdir: Path) -> Outcome:
         npz = workdir / f"fuzz_{case.seed}.npz"
         np.savez(npz, **case.calibration)
         flags[flags.index("--calibrate")] = f"--calibrate={npz}"
+    out = workdir / f"fuzz_{case.seed}.out.onnx"
+    before = _digests(workdir)
     err = io.StringIO()
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
-        code = main([str(src), "-o", str(workdir / f"fuzz_{case.seed}.out.onnx"), "-q",
-                     *flags])
+        code = main([str(src), "-o", str(out), "-q", *flags])
+    changed = any(_digests(workdir).get(name) != d for name, d in before.items())
+    check_error = _regressed_check(src, out) if code == 0 else None
     for p in workdir.iterdir():
         if p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
         else:
             p.unlink(missing_ok=True)
-    return Outcome(case, code, err.getvalue())
+    return Outcome(case, code, err.getvalue(), changed, check_error)
+
+
+def _digests(workdir: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in workdir.iterdir() if p.is_file()}
+
+
+def _full_check_error(path: Path) -> str | None:
+    try:
+        onnx.checker.check_model(onnx.load(str(path)), full_check=True)
+    except Exception as e:  # noqa: BLE001 - the loader and the checker raise many types
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    return None
+
+
+def _regressed_check(src: Path, out: Path) -> str | None:
+    """The output's full-check error where the input passes the full check, else None (an
+    input that fails it may give an output that fails it the same way)."""
+    if not out.is_file():
+        return "exit 0 but no output file"
+    error = _full_check_error(out)
+    if error is None or _full_check_error(src) is not None:
+        return None
+    return error
