@@ -382,7 +382,37 @@ def _reference_fixes() -> list[type]:
     from amp_rewrite.onnx.reference_ops import CONTRIB_OPS, FLOAT32_KERNELS
 
     # contrib ops: the fused ops of amp_rewrite.onnx.fusion
-    return [GatherElements, AveragePool, *FLOAT32_KERNELS, *CONTRIB_OPS]
+    return [GatherElements, AveragePool, _stacking_loop(), *FLOAT32_KERNELS, *CONTRIB_OPS]
+
+
+def _stacking_loop() -> type:
+    """onnx.reference's Loop joins its scan outputs with ``np.vstack``: per-step values of
+    shape [2, 8] come out [6, 8] after three steps, not [3, 2, 8] as the spec (and
+    onnxruntime) stack them. This Loop runs the same body and stacks them on a new axis."""
+    from onnx.reference.ops.op_loop import Loop as ReferenceLoop
+
+    class Loop(ReferenceLoop):
+        op_domain = ""
+
+        def _run(self, *args, **kwargs):
+            scans, steps, run_body = self.K, [], self._run_body
+
+            def recording(*a, **kw):
+                outputs = run_body(*a, **kw)
+                steps.append(outputs[len(outputs) - scans:])
+                return outputs
+
+            self._run_body, self.K = recording, 0  # the base class collects no scan output
+            try:
+                carried = super()._run(*args, **kwargs)[:self.N]
+            finally:
+                del self._run_body
+                self.K = scans
+            stacked = [np.stack([step[k] for step in steps]) if steps
+                       else np.empty((0,), np.float32) for k in range(scans)]
+            return self._check_and_fix_outputs((*carried, *stacked))
+
+    return Loop
 
 
 def validate(fp32: onnx.ModelProto, mixed: onnx.ModelProto, dtype: LowDtype,
