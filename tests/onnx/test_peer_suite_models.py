@@ -329,6 +329,56 @@ def activations_beyond_fp16() -> PeerModel:
     return PeerModel(model, [{"x": normal(2, 8)}], exit_codes={"fp16": 4})
 
 
+def constants_below_fp16() -> PeerModel:
+    """A weight of ~1e-9, below fp16's smallest subnormal (6e-8), scaled back by 1e9: stored
+    in fp16 it would be all zeros."""
+    model = model_of([oh.make_node("MatMul", ["x", "w_tiny"], ["h"]),
+                      oh.make_node("Mul", ["h", "huge"], ["y"])],
+                     [vi("x", shape=[2, 8])], [vi("y", shape=[2, 8])],
+                     [tensor("w_tiny", (8, 8), scale=1e-9),
+                      onh.from_array(np.float32(1e9), "huge")])
+    return PeerModel(model, [{"x": normal(2, 8)}])
+
+
+def already_mixed() -> PeerModel:
+    """A model that already computes in fp16 between its own casts, beside fp32 compute."""
+    w16 = onh.from_array((normal(8, 8, seed=3) * 0.3).astype(np.float16), "w16")
+    model = model_of([oh.make_node("Cast", ["x"], ["x16"], to=T.FLOAT16),
+                      oh.make_node("MatMul", ["x16", "w16"], ["h16"]),
+                      oh.make_node("Cast", ["h16"], ["h"], to=T.FLOAT),
+                      oh.make_node("MatMul", ["h", "w"], ["g"]),
+                      oh.make_node("Softmax", ["g"], ["y"], axis=-1)],
+                     [vi("x", shape=[2, 8])], [vi("y", shape=[2, 8])],
+                     [tensor("w", (8, 8)), w16])
+    return PeerModel(model, [{"x": normal(2, 8)}], check=own_casts_kept)
+
+
+def own_casts_kept(mixed: onnx.ModelProto) -> None:
+    """The model's own fp16 region survives (its author's choice): its Cast to fp16 and its
+    fp16 weight. (Its Cast back to fp32 may go: the next MatMul now runs low.)"""
+    casts = {n.output[0]: n.attribute[0].i for n in mixed.graph.node if n.op_type == "Cast"}
+    assert casts["x16"] == T.FLOAT16
+    assert {t.name: t.data_type for t in mixed.graph.initializer}["w16"] == T.FLOAT16
+
+
+def clip_and_multi_output_ops() -> PeerModel:
+    """Clip with min and max inputs, Split and TopK (several outputs, one of them int64),
+    reading the same weight twice."""
+    model = model_of([oh.make_node("MatMul", ["x", "w"], ["h"]),
+                      oh.make_node("Clip", ["h", "lo", "hi"], ["c"]),
+                      oh.make_node("Split", ["c"], ["a", "b"], axis=1, num_outputs=2),
+                      oh.make_node("TopK", ["a", "k"], ["values", "indices"], axis=1),
+                      oh.make_node("MatMul", ["c", "w"], ["g"]),
+                      oh.make_node("Add", ["g", "b_wide"], ["y"])],
+                     [vi("x", shape=[2, 8])],
+                     [vi("values", shape=[2, 2]), vi("indices", T.INT64, [2, 2]),
+                      vi("b", shape=[2, 4]), vi("y", shape=[2, 8])],
+                     [tensor("w", (8, 8)), tensor("b_wide", (8,)),
+                      onh.from_array(np.float32(-0.5), "lo"), onh.from_array(np.float32(0.5), "hi"),
+                      onh.from_array(np.array([2], np.int64), "k")])
+    return PeerModel(model, [{"x": normal(2, 8)}])
+
+
 def duplicate_node_names() -> PeerModel:
     """Every node named "node", and some unnamed."""
     model = model_of([oh.make_node("MatMul", ["x", "w"], ["h"], name="node"),
@@ -359,7 +409,8 @@ MODELS: dict[str, Callable[[], PeerModel]] = {f.__name__: f for f in (
     if_reading_outer_values, loop_reading_outer_values, nested_ifs, chained_ifs,
     empty_tensors, zero_batch, symbolic_dims, resize_scales_from_tensor,
     resize_sizes_from_tensor, cast_input_to_output, inputs_cast_to_outputs, custom_domain_op,
-    constants_beyond_fp16, activations_beyond_fp16, duplicate_node_names, untyped_outputs)}
+    constants_beyond_fp16, constants_below_fp16, activations_beyond_fp16, already_mixed,
+    clip_and_multi_output_ops, duplicate_node_names, untyped_outputs)}
 
 
 # ----------------------------------------------------------------------------- the checks
