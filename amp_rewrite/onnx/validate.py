@@ -409,8 +409,16 @@ def _stacking_loop() -> type:
                 del self._run_body
                 self.K = scans
             stacked = [np.stack([step[k] for step in steps]) if steps
-                       else np.empty((0,), np.float32) for k in range(scans)]
+                       else self._no_steps(self.N + 1 + k) for k in range(scans)]
             return self._check_and_fix_outputs((*carried, *stacked))
+
+        def _no_steps(self, index: int) -> np.ndarray:
+            """A scan output after zero steps: no rows of the body output's declared shape
+            and type (unknown dims as 0, as onnxruntime gives them)."""
+            body = next(a.g for a in self.onnx_node.attribute if a.name == "body")
+            t = body.output[index].type.tensor_type
+            shape = [d.dim_value if d.HasField("dim_value") else 0 for d in t.shape.dim]
+            return np.empty([0, *shape], onnx.helper.tensor_dtype_to_np_dtype(t.elem_type))
 
     return Loop
 

@@ -100,7 +100,7 @@ def loop_reading_outer_values() -> PeerModel:
                      [vi("x", shape=[2, 8]), vi("n", T.INT64, [])],
                      [vi("acc", shape=[2, 8]), vi("steps", shape=[None, 2, 8])],
                      [tensor("w", (8, 8)), onh.from_array(np.array(True), "keep_going")])
-    return PeerModel(model, [{"x": normal(2, 8), "n": np.array(3, np.int64)}])
+    return PeerModel(model, [{"x": normal(2, 8), "n": np.array(n, np.int64)} for n in (3, 0)])
 
 
 def nested_ifs() -> PeerModel:
@@ -501,6 +501,17 @@ def test_peer_suite_model_converts_and_stays_close(tmp_path, capsys, name, dtype
                 assert g.dtype == e.dtype and g.shape == e.shape
                 if e.size:
                     assert rel_error(e, g) <= TOLERANCE[dtype], (feeds, e, g)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_loop_of_zero_steps_validates(tmp_path, capsys, dtype):
+    """--validate on inputs that run the Loop zero times: its scan output has no rows, and
+    onnx.reference (bf16) gives it the shape onnxruntime gives (an internal error before)."""
+    peer = loop_reading_outer_values()
+    data = tmp_path / "zero_steps.npz"
+    np.savez(data, x=normal(2, 8), n=np.array(0, np.int64))
+    code, err = convert(tmp_path, capsys, peer.model, dtype, "--validate", f"--calibrate={data}")
+    assert code == 0, err
 
 
 @pytest.mark.parametrize("name, reason", [("custom_domain_op", CUSTOM_DOMAIN),
