@@ -27,7 +27,8 @@ STRING_MARKER = "FUZZSTRINGMARKER"
 
 def seed_models() -> dict[str, onnx.ModelProto]:
     """Small valid models with different features: GEMM chain with a norm, an If with
-    captured values, a model-local function, a Conv, dynamic dims."""
+    captured values, a model-local function, a Conv, dynamic dims, a Loop with a scan
+    output."""
     T = onnx.TensorProto
     rng = np.random.default_rng(0)
     w = onh.from_array(rng.standard_normal((8, 8)).astype(np.float32), "w")
@@ -62,9 +63,28 @@ def seed_models() -> dict[str, onnx.ModelProto]:
                           oh.make_node("ReduceMean", ["r"], ["y"], name="mean", keepdims=1)],
                          "conv", [oh.make_tensor_value_info("x", T.FLOAT, [1, 3, 8, 8])],
                          [oh.make_tensor_value_info("y", T.FLOAT, [1, 1, 1, 1])], [k])
+    body = oh.make_graph([oh.make_node("MatMul", ["acc_in", "w"], ["mm"]),
+                          oh.make_node("Tanh", ["mm"], ["acc_out"]),
+                          oh.make_node("Identity", ["acc_out"], ["step"]),
+                          oh.make_node("Identity", ["cond_in"], ["cond_out"])], "body",
+                         [oh.make_tensor_value_info("i", T.INT64, []),
+                          oh.make_tensor_value_info("cond_in", T.BOOL, []),
+                          oh.make_tensor_value_info("acc_in", T.FLOAT, [2, 8])],
+                         [oh.make_tensor_value_info("cond_out", T.BOOL, []),
+                          oh.make_tensor_value_info("acc_out", T.FLOAT, [2, 8]),
+                          oh.make_tensor_value_info("step", T.FLOAT, [2, 8])])
+    # random inputs give a trip count of 0 or 1: a Loop that may not run at all
+    loop = oh.make_graph([oh.make_node("Loop", ["n", "go", "x"], ["acc", "steps"], name="loop",
+                                       body=body)],
+                         "loop", [oh.make_tensor_value_info("x", T.FLOAT, [2, 8]),
+                                  oh.make_tensor_value_info("n", T.INT64, [])],
+                         [oh.make_tensor_value_info("acc", T.FLOAT, [2, 8]),
+                          oh.make_tensor_value_info("steps", T.FLOAT, [None, 2, 8])],
+                         [w, onh.from_array(np.array(True), "go")])
     models = {}
     for name, graph, extra in (("mlp", mlp, []), ("branchy", branchy, []),
-                               ("func", func, [oh.make_opsetid("local", 1)]), ("conv", conv, [])):
+                               ("func", func, [oh.make_opsetid("local", 1)]), ("conv", conv, []),
+                               ("loop", loop, [])):
         m = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18), *extra],
                           functions=[fn] if name == "func" else [])
         m.ir_version = 9
