@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
                             "input_changed": outcome.input_changed,
                             "output_check_error": outcome.output_check_error})
     seconds = time.perf_counter() - start
-    result = {"runs": len(runs), "first_seed": args.first_seed, "dtypes": args.dtypes, "seconds": round(seconds, 1),
+    result = {"runs": len(runs), "first_seed": args.first_seed, "dtypes": args.dtypes,
+              "seconds": round(seconds, 1),
               "base_models": sorted(models),
               "exit_codes": dict(sorted(codes.items())), "internal_errors": len(bad),
               "bad_by_kind": _bad_by_kind(bad),
