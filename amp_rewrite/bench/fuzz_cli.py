@@ -1,4 +1,4 @@
-"""Mutation fuzz campaign of the amp-rewrite CLI (issue 17): N seeded mutated models, each
+"""Mutation fuzz campaign of the amp-rewrite CLI: N seeded mutated models, each
 run in-process through ``cli.main``; counts exit codes and lists every internal error (exit 1)
 or traceback, with the seed that reproduces it.
 
@@ -6,7 +6,7 @@ or traceback, with the seed that reproduces it.
         [--dtypes fp16,bf16] [--model examples/transformer_block.onnx ...]
         [--json results/fuzz_cli.json]
 
-Base models: the four small ones of ``amp_rewrite.bench.fuzz.seed_models`` plus each
+Base models: the small ones of ``amp_rewrite.bench.fuzz.seed_models`` plus each
 ``--model`` (default: the example transformer block), and with ``--zoo`` the zoo's families
 (``fuzz.ZOO_SEEDS``). ``--dtypes``: run each case once per dtype listed, overriding the dtype
 the case drew (``--runs`` counts CLI runs). Besides exit 1 and tracebacks, a run is bad when

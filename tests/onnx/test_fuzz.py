@@ -4,7 +4,7 @@
 attributes, outputs, headers, node order, initializers, local functions, flipped or
 truncated bytes, malformed calibration data, weights in a side file that may be damaged or
 missing), each run in-process through ``cli.main``.
-``tools/fuzz_cli.py`` runs the same generator at scale.
+``python -m amp_rewrite.bench fuzz`` runs the same generator at scale.
 """
 from __future__ import annotations
 
