@@ -27,6 +27,7 @@ import onnx
 from amp_rewrite.bench import fuzz
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "transformer_block.onnx"
+INTERRUPTED = (130, 143)  # the CLI's exit codes for SIGINT and SIGTERM
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,11 +53,16 @@ def main(argv: list[str] | None = None) -> int:
     by_mutation: dict[str, collections.Counter[int]] = collections.defaultdict(collections.Counter)
     by_base: dict[str, collections.Counter[int]] = collections.defaultdict(collections.Counter)
     bad = []
-    start = time.perf_counter()
+    start, interrupted = time.perf_counter(), 0
     with tempfile.TemporaryDirectory() as work:
         for seed, dtype in runs:
             outcome = fuzz.run_case(fuzz.with_dtype(fuzz.make_case(seed, models), dtype),
                                     Path(work))
+            if outcome.exit_code in INTERRUPTED:
+                # the CLI turns SIGINT/SIGTERM into its exit code: the campaign stops too
+                print(f"interrupted at seed {seed}; the counts cover the runs before it")
+                interrupted = outcome.exit_code
+                break
             codes[outcome.exit_code] += 1
             by_base[outcome.case.base][outcome.exit_code] += 1
             labels = list(outcome.case.mutations)
@@ -73,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                             "input_changed": outcome.input_changed,
                             "output_check_error": outcome.output_check_error})
     seconds = time.perf_counter() - start
-    result = {"runs": len(runs), "first_seed": args.first_seed, "dtypes": args.dtypes,
+    result = {"runs": sum(codes.values()), "first_seed": args.first_seed, "dtypes": args.dtypes,
               "seconds": round(seconds, 1),
               "base_models": sorted(models),
               "exit_codes": dict(sorted(codes.items())), "internal_errors": len(bad),
@@ -81,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
               "by_mutation": {m: dict(sorted(c.items())) for m, c in sorted(by_mutation.items())},
               "by_base": {m: dict(sorted(c.items())) for m, c in sorted(by_base.items())},
               "bad": bad}
-    print(f"{len(runs)} runs in {seconds:.1f} s; exit codes {dict(sorted(codes.items()))}; "
+    print(f"{sum(codes.values())} runs in {seconds:.1f} s; exit codes {dict(sorted(codes.items()))}; "
           f"bad runs: {len(bad)} {_bad_by_kind(bad)}")
     print(f"{'mutation':<14} " + " ".join(f"{'exit ' + str(c):>7}" for c in (0, 2, 3, 4)))
     for m, c in [*sorted(by_mutation.items()), *sorted(by_base.items())]:
@@ -92,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{' (input changed)' if b['input_changed'] else ''}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=1))
-    return 1 if bad else 0
+    return interrupted or (1 if bad else 0)
 
 
 def _runs(first_seed: int, runs: int, dtypes: list[str] | None):
