@@ -156,8 +156,12 @@ def _loaded(proto: onnx.ModelProto, label: str, path: Path | None = None) -> Loa
     """The checked (or repaired), inlined proto in onnx_ir, with inferred facts. On a large
     model the checker and shape inference run in the ``Background`` while onnx_ir loads;
     a model the checker refuses, or with functions to inline, takes the serial path."""
+    from amp_rewrite.onnx import repair
+
     _check_has_outputs(len(proto.graph.output), label)
-    if proto.functions or len(proto.graph.node) < BACKGROUND_NODES:
+    _check_defined_types(proto.graph, label)
+    if (proto.functions or len(proto.graph.node) < BACKGROUND_NODES
+            or repair.untyped_main_outputs(proto.graph)):
         return _loaded_serially(proto, label, path)
     job = Background(_checked_and_inferred, proto, label, path)
     try:
@@ -180,6 +184,20 @@ def _check_has_outputs(count: int, label: str) -> None:
         raise ModelError(f"{label}: the model has no graph outputs, so it computes nothing a "
                          "runtime can return; declare the values it should return as graph "
                          "outputs (onnx.helper.make_tensor_value_info) or export it again")
+
+
+def _check_defined_types(graph: onnx.GraphProto, label: str) -> None:
+    """A graph input or initializer of element type UNDEFINED: the checker lets it pass (with
+    external data, or on an input), onnxruntime refuses the model ("Invalid tensor data type
+    0"), and no step that sizes values by their type can take it."""
+    undefined = onnx.TensorProto.UNDEFINED
+    names = [t.name for t in graph.initializer if t.data_type == undefined] + [
+        v.name for v in graph.input
+        if v.type.HasField("tensor_type") and v.type.tensor_type.elem_type == undefined]
+    if names:
+        raise ModelError(f"{label}: {text(names[0])!r} has element type UNDEFINED (0), which "
+                         "no runtime loads; the file is damaged or was written by a broken "
+                         "exporter")
 
 
 def _loaded_serially(proto: onnx.ModelProto, label: str, path: Path | None) -> LoadedModel:
@@ -505,23 +523,35 @@ def _type_fact(tp: onnx.TypeProto) -> TensorFact | None:
 
 def _checked_or_repaired(proto: onnx.ModelProto, label: str,
                          path: Path | None = None) -> onnx.ModelProto:
-    """``proto`` if it passes the checker, else a copy repaired of what runtimes infer
-    anyway (``repair.fill_output_types``) if that passes; else the checker's error."""
+    """``proto`` if it passes the checker with its outputs typed, else a copy repaired of
+    what runtimes infer anyway (``repair.fill_output_types``) if that passes; else the
+    checker's error."""
+    from amp_rewrite.onnx import repair
+
     try:
         _check_input(path or proto, label)
+    except ModelError as e:
+        return _repaired(proto, label, e)
+    if not repair.untyped_main_outputs(proto.graph):
         return proto
-    except ModelError:
-        from amp_rewrite.onnx import repair
+    # the checker passes an output of element type 0 that has a shape; the rest of the
+    # model passed as it is, so the outputs inference types need no second check
+    return repair.fill_output_types(proto) or proto
 
-        repaired = repair.fill_output_types(proto)
-        if repaired is None:
-            missing = repair.first_untyped_output(proto)
-            if missing is None:
-                raise
-            raise ModelError(f"{label}: invalid ONNX model: graph output {missing!r} has no "
-                             "element type or shape field and shape inference cannot infer "
-                             "them; declare its type (onnx.helper.make_tensor_value_info)"
-                             ) from None
+
+def _repaired(proto: onnx.ModelProto, label: str, error: ModelError) -> onnx.ModelProto:
+    """``proto`` with its untyped outputs typed, checked; else the checker's ``error``."""
+    from amp_rewrite.onnx import repair
+
+    repaired = repair.fill_output_types(proto)
+    if repaired is None:
+        missing = repair.first_untyped_output(proto)
+        if missing is None:
+            raise error
+        raise ModelError(f"{label}: invalid ONNX model: graph output {missing!r} has no "
+                         "element type or shape field and shape inference cannot infer "
+                         "them; declare its type (onnx.helper.make_tensor_value_info)"
+                         ) from None
     with repair.shape_placeholders(repaired, repair.shapeless_outputs(repaired.graph)):
         _check_input(repaired, label)
     return repaired

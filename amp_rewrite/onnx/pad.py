@@ -140,9 +140,17 @@ def input_symbols(graph: ir.Graph) -> dict[str, tuple[ir.Value, int]]:
 def _add_value(g: PadGraph, value: ir.Value, symbols: dict) -> None:
     if value in g.values:
         return
-    dtype = value.dtype
     g.add_value(PadValue(value, value.name or "", _shape(value, symbols), is_constant(value),
-                         int(dtype.itemsize) if dtype is not None else 4))
+                         _element_bytes(value.dtype)))
+
+
+def _element_bytes(dtype: ir.DataType | None) -> int:
+    """Bytes per element; 4 (as fp32) for a type of no fixed size (strings) or none at all
+    (a graph output declared UNDEFINED, which the rewrite types from inference)."""
+    try:
+        return int(dtype.itemsize) if dtype is not None else 4
+    except TypeError:  # onnx_ir: "Bitwidth not available"
+        return 4
 
 
 def build_pad_graph(graph: ir.Graph, low: tuple[ir.DataType, ...] = _LOW) -> PadGraph:

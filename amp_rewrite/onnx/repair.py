@@ -54,6 +54,11 @@ def untyped_outputs(proto: onnx.ModelProto) -> int:
                for o in g.output if _lacks_type(o))
 
 
+def untyped_main_outputs(graph: onnx.GraphProto) -> bool:
+    """Some output of the main graph lacks its type (no walk of the nodes: cheap)."""
+    return any(_lacks_type(o) for o in graph.output)
+
+
 def first_untyped_output(proto: onnx.ModelProto) -> str | None:
     return next((o.name for g, _ in _graph_pairs(proto.graph, proto.graph)
                  for o in g.output if _lacks_type(o)), None)
