@@ -133,6 +133,7 @@ def rewrite_onnx_model(source: Source, *,
             low_io=tuple(_patterns(low_io)))
         rules_ = onnx_rules(options.rules)
         loaded, conversion = _low_dtype_opset(loaded, low, rules_, opset, keep_opset)
+        _check_cast_opset(loaded)
         outcome = None
         if max_error is not None:
             outcome = _search_budget(loaded, options, rules_, max_error, calibration_data,
@@ -240,6 +241,20 @@ def _low_dtype_opset(loaded: LoadedModel, low: LowDtype, rules, opset: int | Non
         logger.warning("%s", note)
         return loaded, note
     return converted, f"converted opset {current} -> {target} for {low.value} ({why})"
+
+
+# The Cast the rewrite inserts takes ``to`` as an int from ai.onnx opset 6 (a string before)
+CAST_OPSET = 6
+
+
+def _check_cast_opset(loaded: LoadedModel) -> None:
+    """Refuse a model below ``CAST_OPSET`` (onnxruntime loads opset 7 and later): no cast the
+    rewrite inserts would be valid in it."""
+    current = versions.ai_onnx_opset(loaded.model.opset_imports)
+    if current is not None and current < CAST_OPSET:
+        raise ModelError(f"the model is at ai.onnx opset {current}; the casts the rewrite "
+                         f"inserts need opset {CAST_OPSET} or later: convert it with --opset "
+                         "13 (opset=13 in Python)")
 
 
 def _converted(loaded: LoadedModel, opset: int) -> LoadedModel:

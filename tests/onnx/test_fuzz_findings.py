@@ -3,7 +3,10 @@
 Cases: element type UNDEFINED (0) on a graph input or an initializer: the checker passes it,
 onnxruntime refuses it ("Invalid tensor data type 0"), so the CLI refuses it (exit 3, one line
 naming the value); on a graph output the plain checker and the rewrite accept it (it was an
-internal error in the padding step, which sizes every value by its type).
+internal error in the padding step, which sizes every value by its type), and is typed from
+inference as any untyped output is. Strings beside padded GEMMs (the same padding step). A
+model below opset 6, where Cast's ``to`` is a string: refused naming ``--opset 13``, which
+then converts it (the inserted casts made an output the checker refused).
 """
 from __future__ import annotations
 
@@ -77,3 +80,33 @@ def test_the_same_model_typed_float_matches_fp32(tmp_path, capsys):
     (expected,), (got,) = ort_run(fp32, {"x": x}), ort_run(onnx.load(tmp_path / "out.onnx"),
                                                           {"x": x})
     assert np.abs(expected - got).max() <= 1e-2 * np.abs(expected).max()
+
+
+def with_string_passthrough(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A string input copied to a string output beside the compute (tokenizer-fed models
+    pass their text along): a type of no fixed size."""
+    model.graph.input.append(oh.make_tensor_value_info("text", T.STRING, [2]))
+    model.graph.output.append(oh.make_tensor_value_info("text_out", T.STRING, [2]))
+    model.graph.node.append(oh.make_node("Identity", ["text"], ["text_out"]))
+    return model
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_string_values_beside_padded_gemms(tmp_path, capsys, dtype):
+    code, err = run(tmp_path, capsys, with_string_passthrough(misaligned_gemms()),
+                    f"--dtype={dtype}")
+    assert code == 0, err
+    onnx.checker.check_model(onnx.load(tmp_path / "out.onnx"), full_check=True)
+
+
+@pytest.mark.parametrize("opset", [1, 5])
+def test_opset_older_than_cast_is_refused_with_the_conversion_to_use(tmp_path, capsys, opset):
+    """Cast's ``to`` is a string before opset 6: the inserted casts made an output the
+    checker refused ("internal error", exit 3). onnxruntime refuses such models too."""
+    model = misaligned_gemms()
+    model.opset_import[0].version = opset
+    code, err = run(tmp_path, capsys, model)
+    assert code == 3 and err.count("\n") == 1, err
+    assert f"opset {opset}" in err and "--opset 13" in err and "internal error" not in err
+    code, err = run(tmp_path, capsys, model, "--opset", "13")  # the fix the message names
+    assert code == 0, err
