@@ -287,12 +287,13 @@ def reference_run(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> di
     return dict(zip(names, reference_evaluator(model).run(None, dict(feeds))))
 
 
-def reference_evaluator(model: onnx.ModelProto):
+def reference_evaluator(model: onnx.ModelProto, custom_ops: tuple[type, ...] = ()):
     """An ``onnx.reference.ReferenceEvaluator`` that also runs the contrib ops the fusion
-    step emits, with GatherElements fixed (``_reference_fixes``)."""
+    step emits, with GatherElements fixed (``_reference_fixes``), and ``custom_ops``
+    (``OpRun`` classes of the model's own custom-domain ops)."""
     from onnx.reference import ReferenceEvaluator
 
-    return ReferenceEvaluator(model, new_ops=_reference_fixes())
+    return ReferenceEvaluator(model, new_ops=[*_reference_fixes(), *custom_ops])
 
 
 def _pool_axis(size: int, kernel: int, stride: int, dilation: int, head: int, tail: int,

@@ -433,14 +433,8 @@ def passes_full_check(model: onnx.ModelProto) -> bool:
     return True
 
 
-def reference_run(model: onnx.ModelProto, feeds: dict, extra_ops=()) -> list[np.ndarray]:
-    if not extra_ops:
-        return reference_evaluator(model).run(None, feeds)
-    from onnx.reference import ReferenceEvaluator
-
-    from amp_rewrite.onnx.validate import _reference_fixes
-
-    return ReferenceEvaluator(model, new_ops=[*_reference_fixes(), *extra_ops]).run(None, feeds)
+def reference_run(model: onnx.ModelProto, feeds: dict, custom_ops=()) -> list[np.ndarray]:
+    return reference_evaluator(model, tuple(custom_ops)).run(None, feeds)
 
 
 def convert(tmp_path, capsys, model: onnx.ModelProto, dtype: str, *flags) -> tuple[int, str]:
