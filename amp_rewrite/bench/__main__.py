@@ -24,9 +24,11 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in SUBCOMMANDS:
-        print(f"usage: python -m amp_rewrite.bench {{{','.join(SUBCOMMANDS)}}} ...",
-              file=sys.stderr)
-        return 2
+        asked = argv[:1] in (["-h"], ["--help"])
+        print(f"usage: python -m amp_rewrite.bench {{{','.join(SUBCOMMANDS)}}} ...\n"
+              "each subcommand's --help says what it measures",
+              file=sys.stdout if asked else sys.stderr)
+        return 0 if asked else 2
     return importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:])
 
 

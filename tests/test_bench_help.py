@@ -1,0 +1,36 @@
+"""Every benchmark command answers ``--help`` with exit status 0 (and a wrong name with 2)."""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from amp_rewrite.bench.__main__ import SUBCOMMANDS, main
+
+
+def _status(argv: list[str]) -> int:
+    try:
+        return main(argv)
+    except SystemExit as stop:  # argparse's --help
+        return stop.code or 0
+
+
+def _commands() -> list[list[str]]:
+    commands = [[]]
+    for name, module in SUBCOMMANDS.items():
+        commands.append([name])
+        modes = getattr(importlib.import_module(module), "MODES", None)
+        if isinstance(modes, dict):
+            commands += [[name, mode] for mode in modes]
+    return commands
+
+
+@pytest.mark.parametrize("command", _commands(), ids=lambda c: " ".join(c) or "bench")
+def test_help_exits_0(command, capsys):
+    assert _status([*command, "--help"]) == 0
+    assert "usage" in capsys.readouterr().out.lower()
+
+
+def test_an_unknown_subcommand_exits_2(capsys):
+    assert _status(["no-such-benchmark"]) == 2
+    assert "usage" in capsys.readouterr().err
