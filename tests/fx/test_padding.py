@@ -74,8 +74,10 @@ def test_mlp_100_37_1001_is_padded_with_nothing_between_its_gemms():
 @pytest.mark.parametrize("dtype,tol", [(torch.float16, 1e-3), (torch.bfloat16, 1e-2)])
 def test_outputs_and_gradients_equal_the_unpadded_rewrite(dtype, tol):
     model, x = mlp_100_37_1001(), torch.randn(8, 100)
-    padded = amp_rewrite.rewrite(model, (x,), dtype=dtype, pad=True)
-    plain = amp_rewrite.rewrite(model, (x,), dtype=dtype, pad=False)
+    # one kernel family on both sides: a timed choice could lower the padded GEMMs (their
+    # own shape class) and not the unpadded ones, which changes the rounding, not the padding
+    padded = amp_rewrite.rewrite(model, (x,), dtype=dtype, pad=True, emulate_gemms=False)
+    plain = amp_rewrite.rewrite(model, (x,), dtype=dtype, pad=False, emulate_gemms=False)
     yp, yu = padded(x), plain(x)
     assert yp.shape == yu.shape == (8, 1001) and yp.dtype == yu.dtype
     assert _rel(yp, yu) <= tol and _rel(yp, model(x)) <= 10 * tol
