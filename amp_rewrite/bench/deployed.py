@@ -363,6 +363,12 @@ def time_cuda(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], runs: int
         binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array, "cuda", 0))
     for out in session.get_outputs():
         binding.bind_output(out.name, "cuda")
+    return median_run_ms(session, binding, runs, warmup) / 1e3
+
+
+def median_run_ms(session, binding, runs: int, warmup: int) -> float:
+    """Median milliseconds of ``runs`` bound runs of ``session`` after ``warmup`` runs (each
+    returns after the provider synchronised)."""
     for _ in range(warmup):
         session.run_with_iobinding(binding)
     times = []
@@ -370,7 +376,7 @@ def time_cuda(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], runs: int
         start = time.perf_counter()
         session.run_with_iobinding(binding)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return 1e3 * statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,13 +45,10 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -61,6 +58,7 @@ import onnx
 
 from amp_rewrite.bench import decoders, deployed, peers, zoo
 from amp_rewrite.errors import AmpRewriteError, described
+from amp_rewrite.fx.kernel_timing import cpu_model
 
 logger = logging.getLogger(__name__)
 
@@ -402,17 +400,6 @@ def bind(session, feeds: Mapping[str, np.ndarray], provider: str):
     return binding
 
 
-def median_ms(session, binding, runs: int, warmup: int) -> float:
-    for _ in range(warmup):
-        session.run_with_iobinding(binding)
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        session.run_with_iobinding(binding)
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
-
-
 def read_outputs(session, binding) -> list[np.ndarray]:
     """The outputs of one more run, as float32 on the host; the binding must have run once
     (its outputs give the shapes). Each is bound to a host buffer: numpy has no bfloat16, so
@@ -498,13 +485,7 @@ def device_name(provider: str) -> str:
             return done.stdout.strip() or "unknown GPU"
         except (OSError, subprocess.TimeoutExpired):
             return "unknown GPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpu_model()
 
 
 def failed_row(case: str, variant: str, provider: str, error: str) -> dict:
@@ -531,7 +512,7 @@ def _timed(case: Case, variant: str, args: argparse.Namespace) -> tuple[dict, li
                           args.provider)
     binding = bind(session, case.feeds(args.tiny), args.provider)
     row = {"model": case.name, "variant": variant,
-           "median_ms": median_ms(session, binding, args.runs, args.warmup),
+           "median_ms": deployed.median_run_ms(session, binding, args.runs, args.warmup),
            "provider": args.provider, "device": device_name(args.provider)}
     if args.provider == "cuda":  # TF32 GEMMs make the FP32 baseline faster and coarser
         options = session.get_provider_options()["CUDAExecutionProvider"]

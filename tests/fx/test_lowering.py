@@ -199,20 +199,18 @@ def test_emulated_training_gradients_match_the_low_kernels_class():
 
 
 @pytest.mark.slow
-def test_compiled_region_keeps_the_rounding_of_a_cast_round_trip(monkeypatch):
+def test_compiled_region_keeps_the_rounding_of_a_cast_round_trip():
     """Inductor by default computes x.to(bf16).to(fp32) without rounding; the regions must
     round as the plan (and the eager region) does, or emulated GEMMs would read fp32."""
-    monkeypatch.setenv(pointwise.BACKEND_ENV, "inductor")
     aten = torch.ops.aten
 
     def chain(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         low = aten._to_copy.default(aten.add.Tensor(x, y), dtype=torch.bfloat16)
         return aten.mul.Tensor(aten._to_copy.default(low, dtype=torch.float32), y)
 
-    region = pointwise.FusedRegion(torch.fx.symbolic_trace(chain))
     x, y = torch.randn(4096), torch.randn(4096)
-    compiled = region(x, y)
-    assert pointwise.compile_stats()["compiles"] >= 1
+    # the compiled callable itself: on a CPU the region may measure faster eager and run that
+    compiled = pointwise._compile(torch.fx.symbolic_trace(chain), [x, y])(x, y)
     torch.testing.assert_close(compiled, chain(x, y), rtol=0, atol=0)
     assert not torch.equal(compiled, (x + y) * y)  # the rounding is visible at all
 
