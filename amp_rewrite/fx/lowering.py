@@ -122,15 +122,13 @@ def _proxy_call(node: Node, train: bool) -> tuple[list, dict]:
     op = str(node.target).split(".")[1]
     rows = size_hint(tensor_val(node).shape[0]) if tensor_val(node).dim() else 1
     cut = max(1, rows // max(1, math.ceil(node_flops(node, f"aten::{op}") / PROXY_FLOPS)))
-    fixed = 1 if op in ("linear", "conv1d", "conv2d", "conv3d", "convolution") or \
-        op.startswith("conv_transpose") else None  # a weight: its dim 0 is not the batch
 
     def example(a, position):
         val = tensor_val(a)
         if val is None:
             return a
         shape = [size_hint(d) for d in val.shape]
-        if shape and shape[0] == rows and position != fixed:
+        if shape and shape[0] == rows and _is_row_operand(op, position, len(shape)):
             shape[0] = cut
         if val.dtype == torch.bool:
             return torch.ones(shape, dtype=torch.bool)
@@ -145,6 +143,20 @@ def _proxy_call(node: Node, train: bool) -> tuple[list, dict]:
     args = [example(a, i) for i, a in enumerate(node.args)]
     kwargs = {k: example(v, k) for k, v in node.kwargs.items()}
     return args, kwargs
+
+
+def _is_row_operand(op: str, position: int | str, rank: int) -> bool:
+    """Whether operand ``position`` of ``op`` is indexed by the output's leading dim (the
+    batch, or a GEMM's rows), so that cutting the rows cuts it too. By position, not by size:
+    a weight or a bias may have as many rows as the batch (GPT-2's 1024-wide FFN at 8 x 128
+    tokens)."""
+    if op in ("bmm", "baddbmm", "scaled_dot_product_attention"):
+        return True  # batch-major operands; a broadcast mask's leading 1 never matches
+    if op == "addmm":  # (bias, rows, weight): a bias is cut only as a full [M, N] matrix
+        return position == 1 or (position == 0 and rank == 2)
+    if op == "matmul":  # a batched right operand shares the batch
+        return position == 0 or (position == 1 and rank >= 3)
+    return position == 0  # linear, mm, convolutions: the input, never the weight or bias
 
 
 def _describe_call(args: list, kwargs: dict) -> tuple:

@@ -129,6 +129,24 @@ def test_a_kernel_is_timed_on_a_cut_down_call_of_its_own_shape_class():
     assert first.rounds >= 1 and set(first.ms) == {"low", "fp32"}
 
 
+def test_a_weight_and_bias_as_wide_as_the_batch_are_not_cut():
+    """GPT-2's FFN at 8 x 128 tokens: addmm(bias[1024], x[1024, 1024], w[1024, 1024]) has as
+    many weight rows and bias elements as token rows. 2*1024^3 FLOPs is 9 proxies, so only x's
+    rows are cut, to 1024 // 9 = 113; the timing must run (finite times), not fail."""
+    kernel_timing.forget()
+    graph = torch.fx.Graph()
+    bias, x, w = graph.placeholder("bias"), graph.placeholder("x"), graph.placeholder("w")
+    node = graph.call_function(torch.ops.aten.addmm.default, (bias, x, w))
+    bias.meta["val"] = torch.empty(1024, dtype=torch.bfloat16)
+    x.meta["val"] = torch.empty(1024, 1024, dtype=torch.bfloat16)
+    w.meta["val"] = torch.empty(1024, 1024, dtype=torch.bfloat16)
+    node.meta["val"] = torch.empty(1024, 1024, dtype=torch.bfloat16)
+    choice = lowering.kernel_choice(node, train=True)
+    assert "((1024,)" in choice.shape_class and "(113, 1024)" in choice.shape_class
+    assert "(1024, 1024)" in choice.shape_class  # the weight
+    assert all(ms == ms for ms in choice.ms.values()) and choice.rounds >= 1  # no NaN
+
+
 class _Attention(nn.Module):
     def forward(self, q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
