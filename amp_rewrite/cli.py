@@ -1,6 +1,6 @@
 """amp-rewrite: the command line. Parses, calls the library, prints a summary; no logic of its own.
 
-Exit codes (DESIGN §7): 0 ok, 1 internal error, 2 usage or rule-file error,
+Exit codes (docs/design.md §11): 0 ok, 1 internal error, 2 usage or rule-file error,
 3 unreadable/invalid/unsupported model, 4 validation failed.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Exception hierarchy; each class carries the CLI exit code of DESIGN §7."""
+"""Exception hierarchy; each class carries the CLI exit code of docs/design.md §11."""
 from __future__ import annotations
 
 

@@ -1,4 +1,4 @@
-"""What measures the product and is not the product (DESIGN §6).
+"""What measures the product and is not the product (docs/design.md §13).
 
 ``zoo`` (real ``transformers`` architectures with random weights), ``corpus`` (the ONNX backend
 node-test corpus runner and its judgement), ``peers`` (the converters we measure against) and

@@ -1,4 +1,4 @@
-"""Casts on an If-heavy model (issue 17): the Silero-VAD-shaped model of
+"""Casts on an If-heavy model: the Silero-VAD-shaped model of
 ``amp_rewrite.bench.control_flow``, converted to fp16 by amp_rewrite and its peers.
 
 For each converter: Casts in the whole model (subgraphs included), nodes kept fp32 (from

@@ -1,6 +1,6 @@
 """Rewrite time of deep real transformer exports against what users of the peers run.
 
-Issue 16's synthetic chains measure per-node cost; this measures the models people convert.
+The synthetic chains (``speed chains``) measure per-node cost; this measures the models people convert.
 Each zoo architecture is built at a real model's depth (random weights, tiny width: the graph
 does not depend on the width), exported with ``torch.onnx.export(dynamo=True)`` and converted
 to fp16 by:

@@ -11,7 +11,7 @@ for each misaligned problem of the ``gpu train`` workloads (the odd MLP, GPT-2's
   operands and the slice of the result): what a graph that pads at run time pays.
 
 Rates are *useful* TFLOP/s (the unpadded problem's 2·M·N·K) so the columns compare time;
-``of peak`` is the padded kernel's own FLOPs over the measured peak (issue 15: padded GEMMs
+``of peak`` is the padded kernel's own FLOPs over the measured peak (padded GEMMs
 at >= 70% of the device's dense peak). Times are medians of ``--repeat`` CUDA-event timings
 after warm-up. Without CUDA it says so and exits 0.
 

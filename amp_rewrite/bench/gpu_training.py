@@ -3,14 +3,14 @@ vs amp_rewrite (rewritten graph + AmpOptimizer), eager and under ``torch.compile
 
 Models (random weights from ``transformers`` configs, no download), on random data:
 * ``bert``: BERT-base sequence classification, batch 32 x 128 tokens;
-* ``bert_4l``: the same with 4 layers, batch 8 x 128 tokens (the CPU step of issue 27);
+* ``bert_4l``: the same with 4 layers, batch 8 x 128 tokens (the CPU step);
 * ``gpt2``: GPT-2 small language modelling, batch 8 x 512 tokens (vocabulary 50257: the LM
   head's N is misaligned);
 * ``llama``: a Llama-shaped decoder of ~100M parameters (hidden 768, 12 layers, 12 heads,
   FFN 2048, vocabulary 32000), language modelling, batch 8 x 512 tokens;
 * ``resnet50``: ResNet-50 image classification, batch 64 x 3 x 224 x 224 (3-channel stem);
 * ``mlp_odd``: Linear 4095 -> 11007 -> GELU -> 4095 on 16 x 512 tokens (every GEMM dim
-  misaligned; the padding workload of issue 15).
+  misaligned; the padding workload).
 
 Variants: ``fp32``; ``autocast`` (+ GradScaler for fp16); ``amp_rewrite`` (the defaults:
 fusion on, padding on for CUDA); ``amp_rewrite_nofuse`` (``fuse=False``);

@@ -1,9 +1,9 @@
-"""Hot FFN activations (issue 17): T5/Llama zoo variants whose FFN intermediates reach ~3e5.
+"""Hot FFN activations: T5/Llama zoo variants whose FFN intermediates reach ~3e5.
 
 Builds ``amp_rewrite.bench.hot`` variants (FP32 output unchanged), rewrites them to fp16 with
 and without ``--calibrate`` (the variant's own inputs as calibration data), and compares each
 output with the FP32 model under onnxruntime and under onnx.reference (true fp16 rounding).
-``calibrate+clamp`` stores constants clamped as before issue 17, so calibration alone has to
+``calibrate+clamp`` stores constants clamped as the old default did, so calibration alone has to
 keep the model finite; ort_transformers (onnxruntime's float16 converter) runs beside it.
 
     AMP_REWRITE_CACHE=/work/cache/zoo python -m amp_rewrite.bench compare hot \
@@ -34,7 +34,7 @@ def _modes(feeds: dict) -> dict:
         "amp_rewrite": lambda m: rewrite_onnx(m),
         "amp_rewrite --calibrate": lambda m: rewrite_onnx(m, calibration_data=feeds),
     }
-    if clamp:  # absent before issue 17, where clamping was the only behaviour
+    if clamp:  # the old default, where clamping was the only behaviour
         modes["amp_rewrite --calibrate --clamp-constants"] = lambda m: rewrite_onnx(
             m, calibration_data=feeds, clamp_constants=True)
     if peers.PEERS["ort_transformers"].unavailable_reason() is None:

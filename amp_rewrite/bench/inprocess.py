@@ -2,7 +2,7 @@
 
 ``rewrite_onnx(model, check=False)`` on chains of :mod:`amp_rewrite.bench.chains` built once,
 sizes taking turns within each round (:func:`~amp_rewrite.bench.timing.round_robin`), one
-warm-up per size; medians of ``--repeats``. Issue 16 asks for < 3 s at 50k and a growth
+warm-up per size; medians of ``--repeats``. The target is < 3 s at 50k and a growth
 10k -> 50k of at most 5.5x.
 
     python -m amp_rewrite.bench speed inprocess [--sizes 10000 50000]

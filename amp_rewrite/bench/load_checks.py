@@ -1,4 +1,4 @@
-"""Cost of the load-time safety checks (issue 17) within a whole rewrite.
+"""Cost of the load-time safety checks within a whole rewrite.
 
 On the ``plain`` chains of :mod:`amp_rewrite.bench.chains`, times ``rewrite_onnx``
 (ModelProto to ModelProto) and, on the same model, the two checks that ``load_model`` adds:

@@ -1,4 +1,4 @@
-"""Padding of GEMM/conv dims to multiples of 8 (issue 15): alignment, exactness, propagation.
+"""Padding of GEMM/conv dims to multiples of 8: alignment, exactness, propagation.
 
 On zoo architectures built with their real misaligned sizes (``zoo.build(real_sizes=True)``:
 GPT-2's 50257-word vocabulary, BERT's 30522, ViT's 197 tokens, the convnets' 3-channel stems)

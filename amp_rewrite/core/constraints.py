@@ -1,4 +1,4 @@
-"""Hard constraints (DESIGN §2): which groups are fixed before the min-cut, and why.
+"""Hard constraints (docs/design.md §3): which groups are fixed before the min-cut, and why.
 
 Order of precedence: the adapter's own fixes (kept I/O types, ports the schema does not admit
 low, dtypes already low in the model), then user pins (``keep_fp32`` patterns), then the rule

@@ -1,4 +1,4 @@
-"""FP8 GEMM choice: which low GEMMs run as scaled FP8 matrix products (issue 29), pure.
+"""FP8 GEMM choice: which low GEMMs run as scaled FP8 matrix products (decision 0029), pure.
 
 The adapter decides legality (the GEMM runs bf16, is 2-D after flattening, no ``keep_bf16``
 pattern names it) and hands each legal GEMM to ``plan_fp8`` as a ``Gemm``. Profitability is a

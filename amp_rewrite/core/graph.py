@@ -1,4 +1,4 @@
-"""The framework-neutral precision graph (DESIGN §1, "View").
+"""The framework-neutral precision graph (docs/design.md §2).
 
 A bipartite graph of *groups* (the unit of painting: one (node, type-variable set) pair) and
 *values* (tensors). Graph inputs, initializers and outputs are groups too (sources and sinks),
@@ -138,7 +138,7 @@ class PrecisionGraph:
                 yield producer
 
     def cost_units(self, value: Hashable) -> int:
-        """Bytes of a value in the high dtype; unknown sizes cost one unit (DESIGN §2)."""
+        """Bytes of a value in the high dtype; unknown sizes cost one unit (docs/design.md §4)."""
         return self._values[value].nbytes or 1
 
     def to_networkx(self) -> nx.DiGraph:

@@ -1,4 +1,4 @@
-"""Padding plan: GEMM K/N and conv channel dims to multiples of 8 (DESIGN §4), pure.
+"""Padding plan: GEMM K/N and conv channel dims to multiples of 8 (docs/design.md §8), pure.
 
 On a framework-neutral *pad graph* (``GEMM``, ``CONV``, ``POINTWISE``, ``OPAQUE`` ops) built by
 an adapter after the precision plan, decide which dims of which low GEMM/conv are padded

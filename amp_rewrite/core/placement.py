@@ -1,4 +1,4 @@
-"""Exact minimal cast placement by s–t minimum cut (DESIGN §2, decisions 0001, 0004, 0016).
+"""Exact minimal cast placement by s–t minimum cut (docs/design.md §4, decisions 0001, 0004, 0016).
 
 Labels: source side = HIGH, sink side = LOW. A value's cast is shared by all consumers that
 need it, so it is paid once: p HIGH and some consumer LOW costs bytes(v) through an auxiliary

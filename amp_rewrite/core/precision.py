@@ -16,7 +16,7 @@ class Precision(enum.Enum):
 
 
 class OpClass(enum.Enum):
-    """Rule-file classes (DESIGN §2). UNLISTED ops are treated as DENY and reported."""
+    """Rule-file classes (docs/design.md §3). UNLISTED ops are treated as DENY and reported."""
 
     ALLOW = "allow"
     DENY = "deny"

@@ -1,4 +1,4 @@
-"""Op-class rule files (DESIGN §3): defaults, overlays, environment variables.
+"""Op-class rule files (docs/design.md §6): defaults, overlays, environment variables.
 
 Load order, later wins: the packaged ``rules/<domain>.toml``; each ``--rules`` file; each file in
 ``AMP_REWRITE_RULES`` (os.pathsep-separated); then ``AMP_REWRITE_<CLASS>_ADD`` and

@@ -1,7 +1,7 @@
 """The torch adapter: ``rewrite(module, example_inputs)`` → a mixed-precision GraphModule.
 
 Capture (``torch.export`` by default, ``symbolic_trace`` on request, or a GraphModule as is),
-then the passes of :mod:`amp_rewrite.fx.passes` on the shared core (DESIGN §1-2). The result
+then the passes of :mod:`amp_rewrite.fx.passes` on the shared core (docs/design.md §1-2). The result
 keeps FP32 parameters (cast in-graph once per forward), the original ``state_dict`` keys, shapes
 and dtypes, and carries ``gm.amp_report`` (the ONNX ``--report`` schema).
 """
@@ -215,7 +215,7 @@ def _rewrite_graph(gm: torch.fx.GraphModule, options: FxOptions,
         lowered = _plan_and_lower(gm, prepared)
         pointwise = FusePointwise(CUDA_MIN_SAVED_BYTES if prepared.options.device == "cuda"
                                   else 0)
-        if prepared.options.fuse:  # DESIGN §4: pointwise fusion last, casts and pads included
+        if prepared.options.fuse:  # docs/design.md §7: pointwise fusion last, casts and pads included
             pointwise(gm)
     report = _report(gm, prepared, lowered, pointwise)
     if outcome is not None:

@@ -1,4 +1,4 @@
-"""Apply a PrecisionPlan to a GraphModule (DESIGN §2, "Casts").
+"""Apply a PrecisionPlan to a GraphModule (docs/design.md §4).
 
 One ``aten._to_copy(value, dtype=...)`` per (value, target dtype), right after the value's
 producer and shared by every consumer that needs it. Parameters are never converted in place:

@@ -1,4 +1,4 @@
-"""amp_rewrite as a ``torch.compile`` backend (DESIGN §1: dynamo is the capture).
+"""amp_rewrite as a ``torch.compile`` backend (docs/design.md §1: dynamo is the capture).
 
 ``torch.compile(model, backend="amp_rewrite", options={"dtype": "bf16"})`` (the name is
 registered by the ``torch_dynamo_backends`` entry point) or ``amp_rewrite.compile(model, ...)``.

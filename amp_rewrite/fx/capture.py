@@ -1,7 +1,7 @@
 """Capture an ``nn.Module`` as a ``torch.fx.GraphModule`` whose nodes carry ``meta['val']``.
 
 ``torch.export`` (default), ``torch.fx.symbolic_trace``, or an existing ``GraphModule`` as is
-(DESIGN §1). The module is deep-copied first, so the user's module is never mutated.
+(docs/design.md §1). The module is deep-copied first, so the user's module is never mutated.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""FP8 GEMMs in the torch plan (issue 29): ``Fp8Gemms``, ``RestoreFp8Gemms`` and ``fp8_linear``.
+"""FP8 GEMMs in the torch plan (decision 0029): ``Fp8Gemms``, ``RestoreFp8Gemms`` and ``fp8_linear``.
 
 ``Fp8Gemms`` runs after ``MixedPrecisionPass``. Each GEMM the plan runs bf16 (``linear``,
 ``mm``, ``addmm``, ``matmul`` with a 2-D right operand) is legal unless a ``keep_bf16``

@@ -1,4 +1,4 @@
-"""Pattern fusion before precision planning (DESIGN §4): spelled-out chains → fused ATen kernels.
+"""Pattern fusion before precision planning (docs/design.md §7): spelled-out chains → fused ATen kernels.
 
 Each pass replaces a chain PyTorch has one kernel for, so the planner sees one op that computes
 in fp32 registers where the chain needs an fp32 island and its casts (decision 0015). Rewrites

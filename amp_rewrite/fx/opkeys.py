@@ -202,7 +202,7 @@ def _schema_index(op: torch._ops.OpOverload, name: str) -> int | None:
 
 
 # Conversions and factories: their dtype argument only says how the result is stored, so the
-# pass may retype one to the low dtype when every reader runs low (DESIGN §2, "Casts").
+# pass may retype one to the low dtype when every reader runs low (docs/design.md §4).
 RETYPABLE = frozenset({
     "to", "_to_copy", "zeros", "ones", "full", "empty", "arange", "linspace", "scalar_tensor",
     "rand", "randn", "zeros_like", "ones_like", "full_like", "empty_like", "rand_like",

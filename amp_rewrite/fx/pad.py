@@ -1,4 +1,4 @@
-"""Pad low-precision GEMM/conv dims to multiples of 8 inside an fx graph (DESIGN §4).
+"""Pad low-precision GEMM/conv dims to multiples of 8 inside an fx graph (docs/design.md §8).
 
 ``PadGemms`` runs after ``MixedPrecisionPass``, builds the core's pad graph, plans
 (``core.padding``, slices being views here) and gives every read the layout the plan asks for:

@@ -1,4 +1,4 @@
-"""The fx passes, on ``torch.fx.passes.infra.pass_base.PassBase`` (DESIGN §6).
+"""The fx passes, on ``torch.fx.passes.infra.pass_base.PassBase`` (docs/design.md §1).
 
 * ``InlineModules``: ``call_module`` of a parameterised leaf module → its functional form on
   ``get_attr`` parameters, so parameters can be cast in-graph (``state_dict()`` unchanged).
@@ -250,7 +250,7 @@ class FxOptions:
 
 
 class MixedPrecisionPass(PassBase):
-    """View → plan (core) → apply → refreshed ``meta['val']``; see DESIGN §1."""
+    """View → plan (core) → apply → refreshed ``meta['val']``; see docs/design.md §1."""
 
     def __init__(self, options: FxOptions, rules: RuleSet) -> None:
         self.options, self.rules = options, rules

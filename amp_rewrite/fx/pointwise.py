@@ -1,4 +1,4 @@
-"""Pointwise fusion after the plan and its casts (DESIGN §4, last step; design.md §7.2).
+"""Pointwise fusion after the plan and its casts (docs/design.md §7, last step).
 
 ``FusePointwise`` partitions pointwise ATen ops, casts and norms into maximal acyclic regions
 (``CapabilityBasedPartitioner``), each a ``FusedRegion`` submodule (``fused_0``, ...). At call

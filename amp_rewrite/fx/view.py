@@ -1,4 +1,4 @@
-"""Present a GraphModule to the core as a PrecisionGraph (DESIGN §1, "View"; design.md §3).
+"""Present a GraphModule to the core as a PrecisionGraph (docs/design.md §2-3).
 
 Values are the fx nodes that hold one float32 or low-dtype tensor (a tuple-producing node's
 tensors are its ``getitem`` users). A call node with floating ports is normally one *group*
@@ -322,7 +322,7 @@ class _Builder:
             if (math.isfinite(x) and abs(x) > self.max_finite and not is_sentinel(x)
                     and spec.fixed is None):
                 # Its output may hold the scalar too: a deny source, so following gray/clear
-                # ops keep it high as well (DESIGN §2).
+                # ops keep it high as well (docs/design.md §3).
                 spec.fix(Precision.HIGH, f"scalar argument {x:g} is outside the {self.low} "
                                          "range, and so may be its output")
                 spec.op_class = OpClass.DENY

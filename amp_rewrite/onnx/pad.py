@@ -1,4 +1,4 @@
-"""Pad low-precision GEMM/conv dims to multiples of 8 in an onnx_ir model (DESIGN §4), in place.
+"""Pad low-precision GEMM/conv dims to multiples of 8 in an onnx_ir model (docs/design.md §8), in place.
 
 Runs after ``apply``: builds the core's pad graph from the main graph, plans
 (``core.padding``), then gives every read the layout the plan asks for:

@@ -85,7 +85,7 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
 
     def prepare(self, model: ir.Model) -> OnnxView:
         """Fuse patterns and build the precision view (the steps before the plan)."""
-        if self.options.fuse:  # DESIGN §4: fuse first, then plan
+        if self.options.fuse:  # docs/design.md §1: fuse first, then plan
             self.fusion = FusionPass(self.options.target)
             self.fusion(model)
         graphs = model_graphs(model, self.info.flat)  # one walk for both steps

@@ -1,6 +1,6 @@
 """Schema-aware port groups: which ports of an ONNX node must share a dtype, and may go low.
 
-DESIGN §2: the unit of painting is the (node, type variable) pair, bound from the node's
+docs/design.md §3: the unit of painting is the (node, type variable) pair, bound from the node's
 ``onnx.defs`` schema at the model's opset. A node's type variables are merged into one group,
 as runtime kernels are registered for tied types, except for ops whose type variables are
 independent by design (Cast, EyeLike, ...) and statistics outputs runtimes keep in fp32.

@@ -1,4 +1,4 @@
-"""Pattern fusion before the precision plan (DESIGN §4): spelled-out chains → fused ops.
+"""Pattern fusion before the precision plan (docs/design.md §7): spelled-out chains → fused ops.
 
 A LayerNorm, RMSNorm or GELU written as primitive ops contains deny ops and becomes an fp32
 island with casts; its fused kernel computes statistics in fp32 registers with low I/O
