@@ -1,4 +1,4 @@
-"""DESIGN §6: the product never depends on what measures it (``amp_rewrite.bench``)."""
+"""docs/design.md §13: the product never depends on what measures it (``amp_rewrite.bench``)."""
 from __future__ import annotations
 
 import ast
