@@ -61,6 +61,8 @@ def _epilog() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     from amp_rewrite import __version__
+    from amp_rewrite.core import options as core_options
+    from amp_rewrite.onnx.options import RewriteOptions
 
     p = _Parser(prog="amp-rewrite", description="Rewrite an FP32 ONNX model to mixed precision "
                 "with the exact minimum of casts.", epilog=_epilog(),
@@ -69,51 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", help="input .onnx model (never overwritten)")
     p.add_argument("-o", "--output", help="output file, or an existing directory "
                    "(default: MODEL.amp.onnx)")
-    p.add_argument("--dtype", default="fp16", choices=["fp16", "bf16", "float16", "bfloat16"],
-                   help="low precision (default: fp16)")
-    p.add_argument("--rules", action="append", default=[], metavar="FILE",
-                   help="rule overlay TOML (repeatable; later files win)")
-    p.add_argument("--keep-fp32", action="append", default=[], metavar="PATTERN",
-                   help="node-name glob pinned to fp32 (repeatable)")
-    p.add_argument("--no-keep-io-types", dest="keep_io_types", action="store_false",
-                   help="let graph inputs/outputs change dtype too")
-    p.add_argument("--low-io", action="append", default=[], metavar="PATTERN",
-                   help="graph inputs/outputs whose names match (fnmatch, comma-separated, "
-                   "repeatable; e.g. 'past_key_values.*,present.*') become low precision")
-    p.add_argument("--calibrate", metavar="DATA.npz",
-                   help="inputs for a FP32 run; values beyond --threshold stay fp32")
-    p.add_argument("--threshold", type=float, help="calibration magnitude limit (default: "
-                   "per dtype, below)")
-    p.add_argument("--max-error", type=float, metavar="E",
-                   help="accuracy budget: the most low-precision compute whose relative output "
-                   "error (the --validate metric) on the --calibrate data, or seeded random "
-                   "inputs, stays within E; reports the error on held-out inputs too")
-    p.add_argument("--max-evaluations", type=int, default=25, metavar="N",
-                   help="with --max-error: plans measured at most (default: 25)")
-    p.add_argument("--emit-rules", metavar="FILE.toml",
-                   help="with --max-error: write a rule overlay (--rules) that reproduces the "
-                   "budgeted plan without the search or the data")
-    p.add_argument("--savings-weight", type=float, default=0.0, metavar="BETA",
-                   help="price of a byte of traffic saved vs a byte cast: 0 (default) gives "
-                   "the fewest cast bytes; 1 also runs ops low whose savings pay their casts")
-    p.add_argument("--opset", type=int, metavar="N",
-                   help="convert to ai.onnx opset N first (bf16 Conv/BatchNorm/LSTM need 22)")
-    p.add_argument("--keep-opset", action="store_true",
-                   help="with --dtype bf16: refuse (exit 3) a model whose opset does not admit "
-                   "bf16 for its compute ops, instead of converting it (default: convert to "
-                   "the opset that does, 22 for Conv/BatchNorm/LSTM, and say so)")
-    p.add_argument("--clamp-constants", action="store_true",
-                   help="store constants beyond the low dtype's range clamped (default: keep "
-                        "them and their readers fp32)")
-    p.add_argument("--no-pad", dest="pad", action="store_false",
-                   help="keep GEMM/conv dims as they are (default: pad low GEMM K/N and conv "
-                   "channels to multiples of 8 where the padding cost model says it pays)")
-    p.add_argument("--target", choices=["ort", "onnx"], default="ort",
-                   help="fused ops may be onnxruntime contrib ops (ort, default) or standard "
-                   "ONNX ops of the model's opset only (onnx: TensorRT and other runtimes)")
-    p.add_argument("--no-fuse", dest="fuse", action="store_false",
-                   help="no pattern fusion before the plan (LayerNorm, RMSNorm, GELU, "
-                   "attention chains stay spelled out)")
+    core_options.add_flags(p, RewriteOptions)  # the rewrite's options, declared once
     p.add_argument("--validate", action="store_true",
                    help="compare FP32 and rewritten outputs in onnxruntime on the --calibrate "
                    "data or seeded random inputs (exit 4 on failure)")
@@ -261,7 +219,12 @@ def _rewrite(args, held: _HeldLog) -> int:
     from amp_rewrite.onnx.load import release
     from amp_rewrite.runtime import gc_paused
 
+    from amp_rewrite.core import options as core_options
+    from amp_rewrite.onnx.options import RewriteOptions
+
     start = time.perf_counter()
+    keywords, flags = core_options.from_flags(RewriteOptions, args)
+    args.options = RewriteOptions.of(keywords, "amp-rewrite", names=flags)
     paths = _check_paths(args)
     # The collector stays paused until the IR is freed: it would rescan the whole IR (~1M
     # objects at 50k nodes) during the check and the save, and once more at exit.
@@ -304,7 +267,6 @@ def _check_paths(args) -> _RunPaths:
 
 def _load_and_rewrite(args, paths: _RunPaths, stages):
     from amp_rewrite.onnx import save
-    from amp_rewrite.onnx.api import rewrite_onnx_model
     from amp_rewrite.onnx.load import load_model
 
     stages.step("load")
@@ -314,18 +276,14 @@ def _load_and_rewrite(args, paths: _RunPaths, stages):
     save.check_path_conflicts(paths.reads, paths.writes)  # still before anything is written
     stages.step("rewrite")
     with _input_blamed_if_invalid(paths.model):
-        return rewrite_onnx_model(model, dtype=args.dtype, keep_io_types=args.keep_io_types,
-                                  rules=args.rules, keep_fp32=args.keep_fp32,
-                                  calibration_data=args.calibrate,
-                                  calibration_threshold=args.threshold,
-                                  savings_weight=args.savings_weight,
-                                  clamp_constants=args.clamp_constants, opset=args.opset,
-                                  pad=args.pad, fuse=args.fuse, target=args.target,
-                                  low_io=args.low_io, keep_opset=args.keep_opset,
-                                  max_error=args.max_error,
-                                  max_evaluations=args.max_evaluations,
-                                  emit_rules=args.emit_rules,
-                                  progress=stages.budget_progress(args.max_evaluations))
+        return _rewrite_options_run(model, args, stages)
+
+
+def _rewrite_options_run(model, args, stages):
+    from amp_rewrite.onnx.api import rewrite_checked
+
+    return rewrite_checked(model, args.options,
+                           progress=stages.budget_progress(args.options.max_evaluations))
 
 
 @contextlib.contextmanager
@@ -378,7 +336,7 @@ def _read_paths(args) -> dict[str, list[str]]:
     """Every file the run reads, by what it is (external data is added once loaded)."""
     env_rules = [p for p in os.environ.get("AMP_REWRITE_RULES", "").split(os.pathsep) if p]
     return {"the input model": [args.model],
-            "the --calibrate data": [args.calibrate] if args.calibrate else [],
+            "the --calibrate data": [args.calibration_data] if args.calibration_data else [],
             "a --rules file": list(args.rules),
             "an $AMP_REWRITE_RULES file": env_rules}
 
@@ -386,26 +344,16 @@ def _read_paths(args) -> dict[str, list[str]]:
 def _check_side_paths(args) -> tuple[Path | None, Path | None]:
     """Fail before any work, so a bad side argument never costs a rewrite. Returns the
     --report and --emit-rules paths (None where not given)."""
-    import math
-
     from amp_rewrite.onnx import save
 
-    if args.max_error is not None and not (args.max_error >= 0 and math.isfinite(args.max_error)):
-        raise UsageError(f"--max-error must be a relative error >= 0, got {args.max_error:g}")
-    if args.max_evaluations < 2:
-        raise UsageError(f"--max-evaluations must be at least 2, got {args.max_evaluations}")
-    if args.emit_rules and args.max_error is None:
-        raise UsageError("--emit-rules writes the pins of an accuracy budget: add --max-error E")
     emit = None
     if args.emit_rules:
         save.check_writable_file(args.emit_rules, "--emit-rules")
         emit = Path(args.emit_rules)
-    if args.threshold is not None and not args.threshold > 0:
-        raise UsageError(f"--threshold must be a magnitude > 0, got {args.threshold:g}")
     if args.tolerance is not None and not args.tolerance >= 0:
         raise UsageError(f"--tolerance must be >= 0, got {args.tolerance:g}")
-    if args.calibrate and not Path(args.calibrate).is_file():
-        raise UsageError(f"--calibrate {args.calibrate}: no such file")
+    if args.calibration_data and not Path(args.calibration_data).is_file():
+        raise UsageError(f"--calibrate {args.calibration_data}: no such file")
     if not args.report:
         return None, emit
     save.check_writable_file(args.report, "--report")
@@ -422,8 +370,8 @@ def _validate(args, result):
     # the IR of a model with external data still refers to the input's data file
     mixed = (save.proto_with_weights(result.model, result.info) if result.needs_external_data
              else result.proto())
-    feeds = validate.load_feeds(args.calibrate) if args.calibrate else None
-    return validate.validate_rewrite(fp32, mixed, LowDtype.parse(args.dtype), feeds,
+    feeds = validate.load_feeds(args.calibration_data) if args.calibration_data else None
+    return validate.validate_rewrite(fp32, mixed, args.options.dtype, feeds,
                                      args.tolerance)
 
 
@@ -453,7 +401,7 @@ def _runs_on(args, result) -> str | None:
     from amp_rewrite.core import LowDtype
     from amp_rewrite.onnx import validate
 
-    low = LowDtype.parse(args.dtype)
+    low = args.options.dtype
     if low is not LowDtype.BFLOAT16 or result.needs_external_data:
         return None
     return validate.runtime_note(result.proto(), low)
@@ -484,12 +432,12 @@ def _print_summary(r: dict, args) -> None:
             ("time", f"{r['seconds']:.2f} s")]
     if r["identity_casts_removed"]:
         rows.insert(4, ("identity casts removed", r["identity_casts_removed"]))
-    if args.calibrate:
+    if args.calibration_data:
         from amp_rewrite.core import LowDtype
         from amp_rewrite.onnx.api import default_threshold
 
-        threshold = (args.threshold if args.threshold is not None
-                     else default_threshold(LowDtype.parse(args.dtype)))
+        threshold = (args.calibration_threshold if args.calibration_threshold is not None
+                     else default_threshold(args.options.dtype))
         rows.insert(3, ("pinned by calibration", f"{len(r['pinned_by_calibration'])} values "
                                                  f"above {threshold:g} (kept fp32)"))
     if r.get("budget"):

@@ -6,21 +6,22 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import onnx
 import onnx_ir as ir
 
-from amp_rewrite.core import LowDtype, PadPolicy
+from amp_rewrite.core import LowDtype
 from amp_rewrite.core.report import Report, explain
 from amp_rewrite.errors import ModelError, OutputCheckError, first_line
 from amp_rewrite.onnx import repair, save, versions
 from amp_rewrite.onnx.load import LoadedModel, LoadInfo, Source, load_model, parse_bytes, release
+from amp_rewrite.core import options as core_options
+from amp_rewrite.onnx.options import RewriteOptions
 from amp_rewrite.onnx.passes import MixedPrecisionPass, OnnxOptions, onnx_rules
-from amp_rewrite.runtime import gc_paused, listed
+from amp_rewrite.runtime import gc_paused
 
 logger = logging.getLogger(__name__)
 
@@ -85,59 +86,37 @@ def default_threshold(dtype: LowDtype) -> float:
     return 4096.0 if dtype is LowDtype.FLOAT16 else 1e37
 
 
-def rewrite_onnx_model(source: Source, *,
-                       dtype: str | LowDtype = "float16", keep_io_types: bool = True,
-                       rules: Iterable[str | os.PathLike] = (), keep_fp32: Iterable[str] = (),
-                       calibration_data: Mapping[str, np.ndarray] | str | os.PathLike | None = None,
-                       calibration_threshold: float | None = None,
-                       savings_weight: float = 0.0, check: bool = True,
-                       clamp_constants: bool = False, opset: int | None = None,
-                       pad: bool | PadPolicy = True, fuse: bool = True,
-                       target: str = "ort", low_io: Iterable[str] = (),
-                       keep_opset: bool = False, max_error: float | None = None,
-                       max_evaluations: int = 25, emit_rules: str | os.PathLike | None = None,
-                       progress=None) -> RewriteResult:
+def rewrite_onnx_model(source: Source, *, progress=None, **options) -> RewriteResult:
     """Load, rewrite and check a model; returns the onnx_ir model and the report.
 
-    Constants the low dtype cannot hold keep their readers fp32 (the report lists them
-    under ``constants_kept_fp32``); ``clamp_constants=True`` stores them clamped instead.
-    ``opset``: first convert the model to this ai.onnx opset (onnx's version converter);
-    bf16 needs 22 for Conv, BatchNormalization, LSTM, ... (the report's ``opset_advice``).
-    ``pad``: pad low GEMM/conv dims to multiples of 8 (``amp_rewrite.onnx.pad``); a
-    ``PadPolicy`` pads with that policy instead of the default one.
-    ``fuse``/``target``: pattern fusion before the plan (``amp_rewrite.onnx.fusion``), into
-    onnxruntime contrib ops (``"ort"``) or standard ONNX ops only (``"onnx"``).
-    ``low_io``: name patterns (fnmatch, e.g. ``"past_key_values.*"``) of graph inputs and
-    outputs made low precision, a KV cache; the others keep their types.
-    bf16 on a model whose opset does not admit it for compute ops (Conv below opset 22)
-    converts the opset first (the report's ``opset_conversion``); ``keep_opset=True``
-    refuses such a model instead (ModelError).
-    ``max_error``: plan against an accuracy budget (``amp_rewrite.onnx.budget``): the most
-    low-precision compute whose relative output error (the ``--validate`` metric) on the
-    calibration data, or seeded random inputs, stays within it, in at most
-    ``max_evaluations`` measured plans; the report's ``budget`` says what was achieved, also
-    on held-out inputs. ``emit_rules``: write a rule overlay reproducing the plan without
-    the search. ``progress(done, error)`` is called after each measured plan.
+    ``options``: the fields of ``RewriteOptions`` (``amp_rewrite/onnx/options.py``: each
+    with its default, check and help, listed below), checked here. Constants the low dtype
+    cannot hold keep their readers fp32 (the report's ``constants_kept_fp32``). bf16 on a
+    model whose opset does not admit it for compute ops converts the opset first (the
+    report's ``opset_conversion``). ``progress(done, error)`` is called after each plan
+    the accuracy budget measures.
     """
+    return rewrite_checked(source, RewriteOptions.of(options), progress)
+
+
+def rewrite_checked(source: Source, opts: RewriteOptions, progress=None) -> RewriteResult:
+    """``rewrite_onnx_model`` with options already checked (the CLI checks them before any
+    work, from its flags)."""
     start = time.perf_counter()
-    low = LowDtype.parse(dtype)
+    low = opts.dtype
     with gc_paused():
         loaded = load_model(source)
-        if opset is not None:
-            loaded = _converted(loaded, opset)
-        pinned = _calibrate(loaded, low, calibration_data, calibration_threshold)
-        options = OnnxOptions(
-            low, keep_io_types, tuple(map(str, listed(rules))), tuple(listed(keep_fp32)),
-            pinned, savings_weight, clamp_constants, pad=bool(pad),
-            pad_policy=pad if isinstance(pad, PadPolicy) else None, fuse=fuse, target=target,
-            low_io=tuple(_patterns(low_io)))
+        if opts.opset is not None:
+            loaded = _converted(loaded, opts.opset)
+        pinned = _calibrate(loaded, low, opts.calibration_data, opts.calibration_threshold)
+        options = OnnxOptions.from_rewrite(opts, pinned)
         rules_ = onnx_rules(options.rules)
-        loaded, conversion = _low_dtype_opset(loaded, low, rules_, opset, keep_opset)
+        loaded, conversion = _low_dtype_opset(loaded, low, rules_, opts.opset, opts.keep_opset)
         _check_cast_opset(loaded)
         outcome = None
-        if max_error is not None:
-            outcome = _search_budget(loaded, options, rules_, max_error, calibration_data,
-                                     max_evaluations, progress)
+        if opts.max_error is not None:
+            outcome = _search_budget(loaded, options, rules_, opts.max_error,
+                                     opts.calibration_data, opts.max_evaluations, progress)
             options = dataclasses.replace(options, budget_pins=outcome.pins,
                                           budget_low=outcome.lowered)
         model = loaded.model
@@ -148,16 +127,16 @@ def rewrite_onnx_model(source: Source, *,
         if advice:
             logger.warning("%s", advice)
         result = RewriteResult(model, pass_, loaded.info, opset_conversion=conversion)
-        if check:
+        if opts.check:
             _check_output(result, source)
         if outcome is not None:
             result.budget, result.pinned_by_budget = outcome.report(), outcome.pinned()
             result.lowered_by_budget = outcome.lowered_nodes()
             result.budget.update(_held_out_on_runtime(result, outcome))
-            if emit_rules is not None:
+            if opts.emit_rules is not None:
                 from amp_rewrite.onnx.budget import write_rule_overlay
 
-                write_rule_overlay(emit_rules, pass_, outcome, options)
+                write_rule_overlay(opts.emit_rules, pass_, outcome, options)
     result.seconds = time.perf_counter() - start
     return result
 
@@ -191,14 +170,10 @@ def _held_out_on_runtime(result: RewriteResult, outcome) -> dict:
     return {"held_out_onnxruntime": "inf" if worst == float("inf") else float(f"{worst:.4g}")}
 
 
-def _patterns(patterns: Iterable[str] | str) -> list[str]:
-    """Patterns from a list whose entries may be comma-separated (``"a.*,b.*"``)."""
-    return [p.strip() for entry in listed(patterns) for p in str(entry).split(",") if p.strip()]
-
-
 def rewrite_onnx(model: str | os.PathLike | onnx.ModelProto | bytes,
                  **options) -> onnx.ModelProto:
-    """Rewrite an FP32 ONNX model to mixed precision; ``options`` as ``rewrite_onnx_model``."""
+    """Rewrite an FP32 ONNX model to mixed precision; ``options`` as ``rewrite_onnx_model``
+    (the fields of ``RewriteOptions``)."""
     with gc_paused():  # one pause around both: re-enabling triggers a full collection
         if isinstance(model, bytes):
             model = parse_bytes(model)
@@ -331,3 +306,11 @@ def _calibrate(loaded: LoadedModel, low: LowDtype, data, threshold) -> dict[str,
     pinned = {name: m for name, m in maxima.items() if m > threshold}
     logger.info("calibration: %d of %d values exceed %.4g", len(pinned), len(maxima), threshold)
     return pinned
+
+
+# help() and editors show the options as keywords; the docstring lists them
+for _entry in (rewrite_onnx_model, rewrite_onnx):
+    _entry.__signature__ = core_options.signature(_entry, RewriteOptions)
+    _entry.__doc__ += "\n    Options:\n\n" + "\n".join(
+        "    " + line for line in core_options.describe(RewriteOptions).splitlines()) + "\n"
+del _entry

@@ -51,6 +51,16 @@ class OnnxOptions:
     budget_pins: Mapping[str, str] = field(default_factory=dict)
     budget_low: Mapping[str, str] = field(default_factory=dict)
 
+    @classmethod
+    def from_rewrite(cls, options, pinned_values: Mapping[str, float]) -> OnnxOptions:
+        """The pass's options from the user's (``onnx/options.RewriteOptions``) and the
+        values calibration found beyond its threshold."""
+        pad = options.pad
+        return cls(options.dtype, options.keep_io_types, options.rules, options.keep_fp32,
+                   pinned_values, options.savings_weight, options.clamp_constants,
+                   pad=bool(pad), pad_policy=pad if isinstance(pad, PadPolicy) else None,
+                   fuse=options.fuse, target=options.target, low_io=options.low_io)
+
 
 class MixedPrecisionPass(ir.passes.InPlacePass):
     """Rewrite float32 ops to the low dtype with the exact minimum of casts."""

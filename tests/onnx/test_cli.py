@@ -98,7 +98,7 @@ def test_directory_as_output_gets_the_default_name(model_path, tmp_path, capsys)
 
 @pytest.mark.parametrize("flags, needle", [
     (["--report", "missing_dir/r.json"], "missing_dir does not exist"),
-    (["--threshold", "-1"], "--threshold must be a magnitude > 0"),
+    (["--threshold", "-1"], "--threshold=-1.0: expected a magnitude > 0"),
 ])
 def test_bad_side_arguments_fail_before_any_work(model_path, tmp_path, capsys, flags, needle,
                                                  monkeypatch):

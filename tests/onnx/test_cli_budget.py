@@ -113,9 +113,9 @@ def test_unreachable_budget_says_so(model_path, tmp_path, capsys):
 
 @pytest.mark.parametrize("args, message", [
     (["--emit-rules", "pins.toml"], "add --max-error"),
-    (["--max-error", "-1"], "--max-error must be"),
-    (["--max-error", "nan"], "--max-error must be"),
-    (["--max-error", "1e-3", "--max-evaluations", "1"], "--max-evaluations must be"),
+    (["--max-error", "-1"], "--max-error=-1.0: expected a finite number >= 0"),
+    (["--max-error", "nan"], "--max-error=nan: expected a finite number >= 0"),
+    (["--max-error", "1e-3", "--max-evaluations", "1"], "--max-evaluations=1: expected an int >= 2"),
 ])
 def test_bad_budget_arguments_exit_2_before_any_work(model_path, tmp_path, capsys, args,
                                                      message):
@@ -155,7 +155,7 @@ def test_slack_in_the_budget_lowers_what_a_tight_threshold_kept_fp32(model_path,
 
 
 def test_low_nodes_inside_control_flow_bodies_are_named_as_unmeasured(caplog):
-    from amp_rewrite.bench.control_flow import vad_feeds, vad_like_model
+    from tests.models.control_flow import vad_feeds, vad_like_model
     from amp_rewrite.onnx import rewrite_onnx_model
 
     with caplog.at_level("WARNING"):
