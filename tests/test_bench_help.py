@@ -1,11 +1,15 @@
-"""Every benchmark command answers ``--help`` with exit status 0 (and a wrong name with 2)."""
+"""Every benchmark command (``python -m benchmarks ...``) answers ``--help`` with exit status 0
+(and a wrong name with 2)."""
 from __future__ import annotations
 
 import importlib
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from amp_rewrite.bench.__main__ import SUBCOMMANDS, main
+from benchmarks.__main__ import SUBCOMMANDS, main
 
 
 def _status(argv: list[str]) -> int:
@@ -25,7 +29,7 @@ def _commands() -> list[list[str]]:
     return commands
 
 
-@pytest.mark.parametrize("command", _commands(), ids=lambda c: " ".join(c) or "bench")
+@pytest.mark.parametrize("command", _commands(), ids=lambda c: " ".join(c) or "benchmarks")
 def test_help_exits_0(command, capsys):
     assert _status([*command, "--help"]) == 0
     assert "usage" in capsys.readouterr().out.lower()
@@ -34,3 +38,10 @@ def test_help_exits_0(command, capsys):
 def test_an_unknown_subcommand_exits_2(capsys):
     assert _status(["no-such-benchmark"]) == 2
     assert "usage" in capsys.readouterr().err
+
+
+def test_python_m_benchmarks_runs_from_the_checkout():
+    done = subprocess.run([sys.executable, "-m", "benchmarks", "--help"], capture_output=True,
+                          text=True, cwd=Path(__file__).resolve().parents[1], timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: python -m benchmarks")

@@ -2,7 +2,7 @@
 
 Oracles: output shapes derived by hand from each tiny config (not from the code), the eager
 FP32 forward for torch.export and onnxruntime.  Every model's ONNX agreement is checked by
-``python -m amp_rewrite.bench zoo``; here a subset that covers every wrapper kind keeps this file fast.
+``python -m benchmarks zoo``; here a subset that covers every wrapper kind keeps this file fast.
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import onnx
 import pytest
 import torch
 
-from amp_rewrite.bench import zoo
 from amp_rewrite.errors import UsageError
+from tests.models import zoo
 
 # Hand-derived from the configs in zoo.py: batch 2, 16 tokens (8 decoder tokens), vocab 128,
 # hidden 32, 10 classes; wav2vec2: 400 samples -> (400-10)//5+1 = 79 -> (79-3)//2+1 = 39
@@ -71,8 +71,9 @@ def test_names_cover_required_architectures() -> None:
 
 
 def test_import_does_not_load_torch() -> None:
-    code = "import sys, amp_rewrite.bench.zoo; print('torch' in sys.modules, 'onnx' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    code = "import sys, tests.models.zoo; print('torch' in sys.modules, 'onnx' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1])  # the checkout: tests.models
     assert out.stdout.split() == ["False", "False"]  # transformers needs torch: covered
 
 

@@ -8,7 +8,7 @@
 # GradScaler, and a step profile.
 #   BENCH_EXTRA='--device cpu --tiny' OUT=/tmp/out bash tools/gpu_session.sh   # CPU dry run
 # ort: our ONNX output on onnxruntime's CUDA provider against FP32 and the peers
-# (amp_rewrite/bench/ort_latency.py): a smoke test, BERT-base and GPT-2 at 1x128 and 8x512, the
+# (benchmarks/ort_latency.py): a smoke test, BERT-base and GPT-2 at 1x128 and 8x512, the
 # Llama decode step with and without --low-io (~9 min, ort-cuda-*.json);
 # ort2 (a second call on the warm machine): the Llama prefill, ViT-B/16, ResNet-50, the UNet
 # stage, the Whisper decoder step, and ORT profiles of two models (~9 min).
@@ -33,7 +33,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
       --target /tmp/site .whl/*.whl || echo "the carried wheels did not install (another Python?)"
 fi
 # amp_rewrite itself, installed: its rule files ship as the package amp_rewrite.rules, which a
-# source checkout on PYTHONPATH does not have; the benchmarks then run outside the checkout
+# source checkout on PYTHONPATH does not have; the benchmarks then run outside the checkout,
+# with benchmarks/ and tests/models/ (not in the wheel) found through the checkout's root on
+# PYTHONPATH after /tmp/site, so the installed amp_rewrite is the one imported
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target /tmp/site . || exit 1
 # ort, ort2: onnxruntime-gpu from the carried parts, unless an earlier call installed it
 ORT_CUDA="import onnxruntime as o, sys
@@ -42,7 +44,7 @@ if [ "${MODE#ort}" != "$MODE" ] && [ -f .ortgpu/p5/install.sh ] \
     && ! PYTHONPATH=/tmp/site python3 -c "$ORT_CUDA" 2>/dev/null; then
   bash .ortgpu/p5/install.sh || echo "onnxruntime-gpu did not install from .ortgpu"
 fi
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 AMP_REWRITE_FORK=0
+export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 AMP_REWRITE_FORK=0
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd) && cd "$(mktemp -d)" || exit 1
 exec > >(tee -a "$OUT/log.txt") 2>&1
 section() {
@@ -50,7 +52,7 @@ section() {
   timeout -s INT -k 10 "$@"; local rc=$?; echo "=== rc $rc"; return $rc
 }
 EXTRA=${BENCH_EXTRA:-}
-TRAIN="python3 -m amp_rewrite.bench gpu train $EXTRA"
+TRAIN="python3 -m benchmarks gpu train $EXTRA"
 { nvidia-smi -L; nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,power.limit --format=csv
   python3 -c "import torch, transformers, ortools; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
   python3 -c "import torchao; print('torchao', torchao.__version__)"
@@ -60,7 +62,7 @@ TRAIN="python3 -m amp_rewrite.bench gpu train $EXTRA"
 cat "$OUT/env.txt"
 # ort, ort2: every variant in its own process (--variant-timeout kills a hung one); exports,
 # conversions and FP32 outputs stay in /tmp/ort_latency for the next call on this machine
-ORT="python3 -m amp_rewrite.bench gpu ort --work-dir /tmp/ort_latency --variant-timeout 120"
+ORT="python3 -m benchmarks gpu ort --work-dir /tmp/ort_latency --variant-timeout 120"
 ORT="$ORT ${ORT_EXTRA:-}"
 if [ "$MODE" = ort ]; then
 # fail fast: a tiny model on the CUDA provider (stops here when onnxruntime-gpu does not work)
@@ -96,6 +98,6 @@ section "backend low outputs bf16" 180 $TRAIN --models llama gpt2 bert resnet50 
     --dtype bf16 --variants backend_low_io --steps 20 --warmup 5 --json "$OUT/low_io_bf16.json"
 section "backend fp16 gradscaler" 180 $TRAIN --models llama gpt2 bert resnet50 --compile on \
     --dtype fp16 --variants backend_gradscaler --steps 20 --warmup 5 --json "$OUT/gradscaler.json"
-section "profile llama" 120 python3 -m amp_rewrite.bench gpu profile --models llama \
+section "profile llama" 120 python3 -m benchmarks gpu profile --models llama \
     --variants autocast backend --dtype bf16 --steps 3 --compile --json "$OUT/profile.json"
 fi

@@ -101,7 +101,7 @@ def onnx_graph(model: onnx.ModelProto) -> PrecisionGraph:
 def test_compiled_min_cut_gives_networkx_plans_on_node_test_corpus(monkeypatch):
     from onnx.backend.test.case.node import collect_testcases
 
-    from amp_rewrite.bench.corpus import has_float32
+    from tests.models.corpus import has_float32
 
     with warnings.catch_warnings(), np.errstate(all="ignore"):
         warnings.simplefilter("ignore")  # the generators overflow on purpose (Cast tests)
@@ -124,7 +124,7 @@ ZOO = ["albert", "bart", "bert", "clip_vision", "convnext", "deit", "distilbert"
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ZOO)
 def test_compiled_min_cut_gives_networkx_plans_on_zoo_model(monkeypatch, name):
-    from amp_rewrite.bench import zoo
+    from tests.models import zoo
 
     assert name in zoo.NAMES
     graph = onnx_graph(onnx.load(zoo.cached_onnx(name), load_external_data=False))
@@ -132,6 +132,6 @@ def test_compiled_min_cut_gives_networkx_plans_on_zoo_model(monkeypatch, name):
 
 
 def test_zoo_list_is_the_whole_zoo():
-    from amp_rewrite.bench import zoo
+    from tests.models import zoo
 
     assert sorted(zoo.NAMES) == sorted(ZOO)

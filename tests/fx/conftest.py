@@ -11,7 +11,7 @@ from amp_rewrite.fx.view import is_cast
 
 @functools.cache
 def _captured(name: str):
-    from amp_rewrite.bench import zoo
+    from tests.models import zoo
     from amp_rewrite.fx.capture import capture
 
     model = zoo.build(name)

@@ -12,10 +12,10 @@ import logging
 import pytest
 import torch
 
-from amp_rewrite.bench import hot, zoo
 from amp_rewrite.errors import UsageError
 from amp_rewrite.fx import explain, rewrite, rewrite_graph
 from amp_rewrite.fx.budget import relative_error
+from tests.models import hot, zoo
 
 SEEDS = range(1, 7)  # three batches searched, three held out
 

@@ -203,7 +203,7 @@ def test_backend_name_works_without_importing_amp_rewrite():
 def test_zoo_model_trains_through_the_backend_like_autocast(name, dtype):
     """Oracles: the FP32 model and ``torch.autocast`` on the same inputs (``bench fx backend``
     runs this on all 21 zoo models)."""
-    from amp_rewrite.bench.fx_backend import measure
+    from benchmarks.fx_backend import measure
 
     row = measure(name, dtype, inner="eager")
     assert row["error"] <= 1.5 * row["autocast_error"] + 1e-6, row

@@ -163,10 +163,10 @@ def test_cli_lists_torch_rules_with_their_sources(device, grid_sampler, capsys):
 
 @pytest.mark.slow
 def test_pytorch_cpu_autocast_lists_through_the_rewrite_agree_except_justified():
-    """``python -m amp_rewrite.bench fx autocast`` on the CPU lists: every entry rewrites, runs
+    """``python -m benchmarks fx autocast`` on the CPU lists: every entry rewrites, runs
     in autocast's precision and within twice autocast's error; the one exception is justified
     above."""
-    from amp_rewrite.bench import autocast_lists as tool
+    from benchmarks import autocast_lists as tool
 
     lists = tool.load_lists()["cpu"]
     entries = [tool.run_entry("cpu", name, raw) for name, raws in vars(lists).items()

@@ -13,7 +13,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 import amp_rewrite
-from amp_rewrite.bench.measure import count_conversions, relative_error
+from tests.models.measure import count_conversions, relative_error
 
 from .conftest import casts, out_dtype
 

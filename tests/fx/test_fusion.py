@@ -277,7 +277,7 @@ def _error(out, ref) -> float:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["bert", "gpt2", "llama", "t5"])
 def test_zoo_model_with_fusion_is_as_accurate_as_unfused_and_autocast(name):
-    from amp_rewrite.bench import zoo
+    from tests.models import zoo
 
     model = zoo.build(name)
     kwargs = {"example_kwargs": model.kwargs, "dtype": torch.bfloat16}
@@ -302,7 +302,7 @@ def test_zoo_model_with_fusion_is_as_accurate_as_unfused_and_autocast(name):
 
 @pytest.mark.slow
 def test_second_rewrite_of_a_fused_zoo_model_changes_nothing():
-    from amp_rewrite.bench import zoo
+    from tests.models import zoo
 
     model = zoo.build("gpt2")
     gm = amp_rewrite.rewrite(model.module, model.args, example_kwargs=model.kwargs,
@@ -319,7 +319,7 @@ def test_second_rewrite_of_a_fused_zoo_model_changes_nothing():
 
 @pytest.mark.slow
 def test_fused_zoo_model_still_exports_and_compiles():
-    from amp_rewrite.bench import zoo
+    from tests.models import zoo
 
     model = zoo.build("llama")
     gm = amp_rewrite.rewrite(model.module, model.args, example_kwargs=model.kwargs,
@@ -334,7 +334,7 @@ def test_fused_zoo_model_still_exports_and_compiles():
 
 @pytest.mark.slow
 def test_explain_names_the_fused_pattern(capsys):
-    from amp_rewrite.bench import zoo
+    from tests.models import zoo
 
     model = zoo.build("bert")
     gm = amp_rewrite.rewrite(model.module, model.args, dtype=torch.bfloat16)

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import amp_rewrite
-from amp_rewrite.bench import zoo
 from amp_rewrite.errors import UsageError
 from amp_rewrite.fx.pointwise import FusedRegion
 from amp_rewrite.training import AmpOptimizer
+from tests.models import zoo
 
 pytestmark = pytest.mark.slow  # trains Hugging Face models
 

@@ -15,11 +15,11 @@ import torch.utils.checkpoint
 from torch import nn
 
 import amp_rewrite
-from amp_rewrite.bench.measure import relative_error
 from amp_rewrite.errors import CaptureError
 from amp_rewrite.fx import backend
 from amp_rewrite.fx.pointwise import UnfuseRegions
 from amp_rewrite.fx.view import is_cast
+from tests.models.measure import relative_error
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,4 +1,4 @@
-"""Real ``transformers`` architectures (amp_rewrite.bench.zoo, random weights): capture, rewrite for
+"""Real ``transformers`` architectures (tests.models.zoo, random weights): capture, rewrite for
 fp16 and bf16, run on CPU, and compare with the FP32 model and with ``torch.autocast``.
 
 Oracles: the FP32 model's outputs; ``torch.autocast(device_type="cpu")`` on the same inputs.
@@ -11,12 +11,12 @@ import operator
 import pytest
 import torch
 
-from amp_rewrite.bench import zoo
 from amp_rewrite.core import load_rules
 from amp_rewrite.fx import opkeys
 from amp_rewrite.fx import rewrite_graph
 from amp_rewrite.fx.capture import refresh_fake_values
-from amp_rewrite.bench.measure import compare_with_autocast, float_outputs
+from tests.models import zoo
+from tests.models.measure import compare_with_autocast, float_outputs
 
 # torch's deepcopy of export's pytree specs uses its own deprecated LeafSpec check.
 pytestmark = [pytest.mark.slow,  # every zoo model, captured and rewritten

@@ -12,9 +12,9 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 import amp_rewrite
-from amp_rewrite.fx import rewrite_graph
-from amp_rewrite.bench.measure import count_conversions, relative_error
 from amp_rewrite.errors import UsageError
+from amp_rewrite.fx import rewrite_graph
+from tests.models.measure import count_conversions, relative_error
 
 from .conftest import casts, node, out_dtype
 

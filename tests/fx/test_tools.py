@@ -9,7 +9,7 @@ import pytest
 
 
 def _load(name: str) -> ModuleType:
-    return importlib.import_module(f"amp_rewrite.bench.{name}")
+    return importlib.import_module(f"benchmarks.{name}")
 
 
 @pytest.mark.slow

@@ -191,7 +191,7 @@ def test_search_is_close_to_brute_force(dtype, budget):
 
     import onnx_ir as ir
 
-    from amp_rewrite.bench.budget import concrete_shapes
+    from benchmarks.budget import concrete_shapes
     from amp_rewrite.core import LowDtype, Precision
     from amp_rewrite.core.budget import SEARCH_MARGIN
     from amp_rewrite.onnx.budget import Emulator, default_feeds, node_flops
@@ -249,7 +249,7 @@ def test_search_is_close_to_brute_force(dtype, budget):
 def zoo_model():
     """(fp32 model, 8 input rows) of tiny zoo exports with a free batch dim (exported once
     into the zoo cache)."""
-    from amp_rewrite.bench import budget as bench
+    from benchmarks import budget as bench
 
     cache = {}
 

@@ -1,4 +1,4 @@
-"""``python -m amp_rewrite.bench budget``: the FLOP-weighted low-precision share on a
+"""``python -m benchmarks budget``: the FLOP-weighted low-precision share on a
 hand-made model with known FLOPs, and a ``--quick`` run on one tiny model."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import onnx.helper as oh
 import onnx.numpy_helper as onh
 import pytest
 
-from amp_rewrite.bench import budget as bench
+from benchmarks import budget as bench
 
 T = onnx.TensorProto
 

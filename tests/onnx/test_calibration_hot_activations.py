@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow  # exports zoo models
 
 @pytest.mark.parametrize("name", ["t5", "llama"])
 def test_hot_ffn_activations_with_calibration_are_finite_and_close(name):
-    from amp_rewrite.bench import hot
+    from tests.models import hot
     from amp_rewrite.onnx import rewrite_onnx_model, validate
 
     path, feeds = hot.cached_hot_onnx(name, 3e5)

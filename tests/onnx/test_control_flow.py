@@ -36,7 +36,7 @@ def count_casts(graph: onnx.GraphProto) -> int:
 
 
 def test_if_heavy_vad_model_casts_across_branch_boundaries():
-    from amp_rewrite.bench.control_flow import vad_feeds, vad_like_model
+    from tests.models.control_flow import vad_feeds, vad_like_model
     from amp_rewrite.onnx import rewrite_onnx_model, validate
 
     fp32 = vad_like_model()

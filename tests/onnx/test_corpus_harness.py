@@ -13,7 +13,8 @@ import onnx.parser
 import pytest
 
 from amp_rewrite.errors import UsageError
-from amp_rewrite.bench import corpus, peers
+from benchmarks import peers
+from tests.models import corpus
 
 TOL16 = corpus.TOLERANCES["float16"]
 

@@ -9,9 +9,10 @@ import numpy as np
 import onnx
 import pytest
 
-from amp_rewrite.bench import decoders, deployed
 from amp_rewrite.cli import main
 from amp_rewrite.onnx.fusion import schemas  # noqa: F401 - registers ORT's contrib schemas
+from benchmarks import deployed
+from tests.models import decoders
 
 TOLERANCE = 1e-2
 # bf16 keeps 8 mantissa bits (unit roundoff 2^-9): the prefill's logits reach 1.2e-2 with or

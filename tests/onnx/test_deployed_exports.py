@@ -17,8 +17,8 @@ import onnx
 import pytest
 
 from amp_rewrite import cli
-from amp_rewrite.bench import zoo
 from amp_rewrite.onnx import validate
+from tests.models import zoo
 
 # (zoo name, attention, symbolic axes); every export at the zoo's default opset 18
 DEPLOYED = [

@@ -1,11 +1,11 @@
-"""python -m amp_rewrite.bench speed deep runs end to end on a shallow export; its figures are in README."""
+"""python -m benchmarks speed deep runs end to end on a shallow export; its figures are in README."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from amp_rewrite.bench import deep_speed
+from benchmarks import deep_speed
 
 pytestmark = pytest.mark.slow  # exports a zoo model and runs every converter on it
 

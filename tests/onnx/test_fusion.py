@@ -11,11 +11,11 @@ import onnx_ir as ir
 import pytest
 
 from amp_rewrite import rewrite_onnx
-from amp_rewrite.bench.peers import ort_optimized_graph
 from amp_rewrite.core import OpClass, load_rules
 from amp_rewrite.onnx import reference_ops, validate
 from amp_rewrite.onnx.api import rewrite_onnx_model
 from amp_rewrite.onnx.fusion import FUSED_OPS, FUSED_TAG, FusionPass, op_key
+from benchmarks.peers import ort_optimized_graph
 
 HEADER = '<ir_version: 10, opset_import: ["" : {opset}]>'
 X = "float[2, 8, 32] x"
@@ -302,7 +302,7 @@ def test_skip_norm_statistics_ports_stay_fp32():
 
 @pytest.fixture(scope="module")
 def zoo_case():
-    from amp_rewrite.bench import zoo
+    from tests.models import zoo
 
     cache = {}
 
@@ -362,7 +362,7 @@ def test_rewriting_a_fused_output_again_changes_nothing(zoo_case):
 @pytest.mark.slow
 def test_onnx_target_fuses_attention_into_the_standard_op_at_opset_23():
     """Standard-domain output only: eager attention → Attention (23), checked in both runtimes."""
-    from amp_rewrite.bench import zoo
+    from tests.models import zoo
 
     path = zoo.cached_onnx("bert", opset=23)
     feeds = zoo.onnx_inputs(zoo.build("bert"), path)

@@ -128,7 +128,7 @@ def test_fused_bert_is_no_less_accurate_than_unfused_at_every_value_under_true_f
     fused kernels: under onnx.reference (true fp16 rounding) every value both graphs compute
     (the fused chains' boundaries, the projections, the output) is at least as close to FP32
     with fusion, averaged over three input draws (rms, within 2%)."""
-    from amp_rewrite.bench import zoo
+    from tests.models import zoo
 
     path = zoo.cached_onnx("bert")
     fp32 = onnx.load(path)
@@ -154,11 +154,11 @@ def test_fused_bert_is_no_less_accurate_than_unfused_at_every_value_under_true_f
     assert not worse, f"fused less accurate than unfused at {worse}"
 
 
-# ------------------------------------------------- python -m amp_rewrite.bench compare fusion
+# ------------------------------------------------- python -m benchmarks compare fusion
 
 @pytest.fixture(scope="module")
 def compare_fusion():
-    from amp_rewrite.bench import fusion_compare
+    from benchmarks import fusion_compare
 
     return fusion_compare
 

@@ -4,13 +4,13 @@
 attributes, outputs, headers, node order, initializers, local functions, flipped or
 truncated bytes, malformed calibration data, weights in a side file that may be damaged or
 missing), each run in-process through ``cli.main``.
-``python -m amp_rewrite.bench fuzz`` runs the same generator at scale.
+``python -m benchmarks fuzz`` runs the same generator at scale.
 """
 from __future__ import annotations
 
 import pytest
 
-from amp_rewrite.bench import fuzz
+from tests.models import fuzz
 
 SEEDS = range(60)
 

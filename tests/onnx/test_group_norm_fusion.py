@@ -10,10 +10,10 @@ import onnx_ir as ir
 import pytest
 
 from amp_rewrite import cli
-from amp_rewrite.bench import zoo
 from amp_rewrite.onnx import validate
 from amp_rewrite.onnx.fusion import FUSED_TAG, FusionPass
 from amp_rewrite.onnx.load import load_model
+from tests.models import zoo
 
 C, G = 32, 8
 X = f"float[N, {C}, 4, 5] x"

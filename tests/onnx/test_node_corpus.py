@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import pytest
 
-from amp_rewrite.bench import corpus, peers
+from benchmarks import peers
+from tests.models import corpus
 
 pytestmark = pytest.mark.slow  # ONNX's whole node-test corpus
 

@@ -1,4 +1,4 @@
-"""The onnxruntime latency benchmark (``amp_rewrite/bench/ort_latency.py``) end to end on the CPU
+"""The onnxruntime latency benchmark (``benchmarks/ort_latency.py``) end to end on the CPU
 provider with tiny models: the rows' schema, FP32 and ours measured, ours_fp16 close to FP32
 (oracle: the FP32 session's outputs on the same inputs), failures reported as rows; and its
 pieces the GPU run relies on (bf16 inputs and outputs through IO binding, the profile summary,
@@ -16,7 +16,7 @@ import pytest
 from onnx import TensorProto
 from onnx import helper as h
 
-from amp_rewrite.bench import ort_latency
+from benchmarks import ort_latency
 
 MODELS = ["bert_base_1x128", "llama_decode_past1024"]
 REQUIRED = {"model", "variant", "median_ms", "provider", "device"}

@@ -11,8 +11,8 @@ import onnx
 import onnx_ir as ir
 import pytest
 
-from amp_rewrite.bench import zoo
 from amp_rewrite.onnx import rewrite_onnx_model, validate
+from tests.models import zoo
 
 pytestmark = pytest.mark.slow  # exports and runs the zoo models
 

@@ -1,5 +1,5 @@
 """The paper's loss-scaling result, reproduced with real fp16 arithmetic on the CPU
-(``python -m amp_rewrite.bench paper`` at a reduced step count)."""
+(``python -m benchmarks paper`` at a reduced step count)."""
 from __future__ import annotations
 
 import importlib
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow  # training to the paper's loss
 
 
 def _load_tool() -> ModuleType:
-    return importlib.import_module("amp_rewrite.bench.paper")
+    return importlib.import_module("benchmarks.paper")
 
 
 @pytest.fixture(scope="module")
