@@ -29,7 +29,7 @@ from amp_rewrite.fx import rewrite_graph
 from amp_rewrite.fx.capture import capture
 from benchmarks.timing import PROBE_ITERATIONS, host_probe
 
-BUDGET_S = {"bert": 2.0, "gpt2-48": 3.0}  # rewrite-time targets (docs/benchmarks.md §5.2)
+BUDGET_S = {"bert": 2.0, "gpt2-48": 3.0}  # rewrite-time targets (docs/benchmarks.md §2)
 
 
 def bert_base(attn: str = "eager") -> tuple[torch.nn.Module, tuple]:

@@ -1,4 +1,4 @@
-"""Why fp16 training needs loss scaling, reproduced (docs/benchmarks.md §9).
+"""Why fp16 training needs loss scaling, reproduced (docs/benchmarks.md §5).
 
 Three runs of one regression MLP from the same initial weights and data stream:
 

@@ -2,7 +2,7 @@
 
 Training-step benchmarks run each variant in a fresh interpreter (:func:`rows_in_fresh_process`):
 a compiled variant measured after another one in the same process can be much slower
-(benchmarks §7c), which would let the order of ``--variants`` decide a comparison.
+(docs/benchmarks.md §3.2), which would let the order of ``--variants`` decide a comparison.
 
 The shared host's speed varies up to 2x over minutes. Converters are therefore compared
 within one round (each round times every candidate once, in turn, so a drift hits all of
