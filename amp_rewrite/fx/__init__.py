@@ -21,6 +21,7 @@ import torch
 
 from amp_rewrite import arguments
 from amp_rewrite.core import PadPolicy, RuleSet, load_rules
+from amp_rewrite.core import options as core_options
 from amp_rewrite.core import report as core_report
 from amp_rewrite.core.rules import default_rules_path
 from amp_rewrite.runtime import gc_paused
@@ -35,6 +36,7 @@ from amp_rewrite.fx.lowering import (LOWERED_TAG, EmulateLowKernels, RestoreLowK
                                      native_low_gemm)
 from amp_rewrite.fx.lowering import explanation as lowering_explanation
 from amp_rewrite.fx.modes import TrainEvalModule, in_mode
+from amp_rewrite.fx.options import BUDGET, GRAPH, TorchOptions
 from amp_rewrite.fx.pad import PadGemms
 from amp_rewrite.fx.passes import (DropFullSlices, FunctionalizeInPlace, FxOptions,
                                    InlineModules, MixedPrecisionPass)
@@ -42,80 +44,32 @@ from amp_rewrite.fx.masks import DropTrivialAttentionMasks
 from amp_rewrite.fx.pointwise import CUDA_MIN_SAVED_BYTES, FusePointwise, UnfuseRegions
 from amp_rewrite.fx.view import is_cast
 
-__all__ = ["TrainEvalModule", "explain", "rewrite", "rewrite_graph"]
+__all__ = ["TrainEvalModule", "TorchOptions", "explain", "rewrite", "rewrite_graph",
+           "run_pipeline"]
 
 log = logging.getLogger(__name__)
 
 REPORT_KEY = "amp_rewrite_report"  # gm.meta key: the core Report, for explain()
 
 
-def rewrite(model: torch.nn.Module, example_inputs: Any = None, *,
-            example_kwargs: Mapping[str, Any] | None = None,
-            dtype: torch.dtype | str = torch.float16, capture: str = "export",
-            dynamic_shapes: Any = None, rules: Iterable[str] = (),
-            keep_fp32: Iterable[str] = (), keep_io_types: bool = True,
-            device: str | None = None, autocast_floor: bool = True,
-            mode: str | None = None, pad: bool | PadPolicy | None = None,
-            fuse: bool = True, emulate_gemms: bool | None = None, fp8: str | None = None,
-            fp8_grad_dtype: torch.dtype | str | None = None, fp8_min_size: int | None = None,
-            keep_bf16: Iterable[str] = (), max_error: float | None = None,
-            calibration_data: list | None = None, max_evaluations: int = 25,
-            emit_rules: str | os.PathLike | None = None
+def rewrite(model: torch.nn.Module, example_inputs: Any = None, **options: Any
             ) -> torch.fx.GraphModule | TrainEvalModule:
     """Capture ``model`` and return a trainable mixed-precision ``GraphModule``.
 
-    ``dtype``: torch.float16 / torch.bfloat16 (or 'fp16' / 'bf16'). ``capture``: 'export'
-    (default) or 'symbolic_trace'; a GraphModule is taken as is (``example_inputs`` only needed
-    when its nodes carry no ``meta['val']``). ``dynamic_shapes``: default every dimension
-    export can keep symbolic (batch, sequence: a smaller last batch runs), ``"static"`` for
-    the example shapes only, or a ``torch.export`` spec. ``rules``: extra rule files.
-    ``keep_fp32``: fnmatch patterns on node names or module paths kept fp32.
-    ``keep_io_types``: outputs keep their dtypes. ``device``: device type the result will run
-    on ('cuda', 'cpu'); default: that of the example values. On 'cpu' the packaged
-    ``torch_cpu.toml`` overlay applies (see ``rewrite_graph``). ``autocast_floor``: never run
-    an op lower than ``torch.autocast`` of that device would (``fx/floor.py``); False leaves
-    those ops to the min cut alone (fewer cast bytes, larger error). ``mode``: None (the
-    module's current train/eval mode), 'train', 'eval', or 'both': a ``TrainEvalModule``
-    holding both captures on shared parameters, switched by ``.train()`` / ``.eval()``.
-    ``pad``: pad low GEMM/conv dims to multiples of 8 in the graph (``fx/pad.py``); None: on
-    for device 'cuda' (Tensor Cores), off elsewhere (padding buys nothing on CPU); a
-    ``PadPolicy`` pads with that policy.
-    ``fuse``: fuse attention, norms and GELU into ATen kernels before the plan and pointwise
-    regions (casts included) into Inductor-compiled submodules after it (``fx/fusion.py``,
-    ``fx/pointwise.py``); False gives the unfused graph.
-    ``emulate_gemms``: run the GEMMs, convolutions and attention the plan makes low as fp32
-    kernels on low-rounded operands (``fx/lowering.py``). None (default): only with ``fuse``,
-    on a CPU, each call whose fp32 kernel measures faster there (timed once per process and
-    shape class, ``fx/kernel_timing.py``); never on CUDA. True: every low kernel; False: none.
-    ``fp8``: None (default), 'tensorwise' or 'rowwise' (needs ``dtype=torch.bfloat16``): the
-    bf16 GEMMs an H100 cost model says gain run as ``torch._scaled_mm`` with dynamic scales,
-    forward and backward (``fx/fp8.py``); ``fp8_grad_dtype``: the gradients' FP8 dtype
-    (default E5M2 tensor-wise, E4M3 row-wise); ``fp8_min_size``: FP8 for every GEMM with
-    M·N·K at least this instead of the cost model (0: all); ``keep_bf16``: fnmatch patterns
-    on node names kept bf16.
-    ``max_error``: plan against an accuracy budget (``amp_rewrite.fx.budget``): the most
-    low-precision FLOPs whose relative output error (max|out − fp32| / max|fp32| per output)
-    stays within it, measured with the rewritten graph's own kernels on this device, in at
-    most ``max_evaluations`` measured plans. ``calibration_data``: a list of batches (each a
-    tensor or a tuple of the forward's positional arguments; ``example_kwargs`` go with
-    each): the first half is searched, the rest held out and measured on the result; with
-    one batch, ``example_inputs`` are searched and the batch held out. The report's
-    ``budget`` and ``pinned_by_budget`` say what was achieved; ``explain`` names the budget
-    on a pinned node. ``emit_rules``: write a rule overlay that reproduces the plan
-    (``rules=[path]``, no ``max_error``).
+    ``example_inputs``: a tensor or a tuple of the forward's positional arguments (only
+    needed for a GraphModule whose nodes carry no ``meta['val']``). ``options``: the fields
+    of ``TorchOptions`` (``amp_rewrite/fx/options.py``, listed below), checked here.
+    With ``max_error``: one batch of ``calibration_data`` is held out and ``example_inputs``
+    searched; the report's ``budget`` and ``pinned_by_budget`` say what was achieved.
     The user's module is never mutated; the result owns copies of its parameters.
     """
-    options = FxOptions.checked(dtype=dtype, rules=rules, keep_fp32=keep_fp32,
-                                keep_io_types=keep_io_types, device=device,
-                                autocast_floor=autocast_floor, pad=pad, fuse=fuse,
-                                emulate_gemms=emulate_gemms, fp8=fp8,
-                                fp8_grad_dtype=fp8_grad_dtype, fp8_min_size=fp8_min_size,
-                                keep_bf16=keep_bf16)
-    if mode is not None:
-        arguments.choice(mode, arguments.MODES, name="mode")
-    budget = fx_budget.request(max_error, calibration_data=calibration_data,
-                               max_evaluations=max_evaluations, emit_rules=emit_rules,
-                               example_inputs=example_inputs, example_kwargs=example_kwargs)
+    opts = TorchOptions.of(options, "rewrite")
+    fx_options = FxOptions.of(opts)
+    budget = fx_budget.request(opts.max_error, calibration_data=opts.calibration_data,
+                               max_evaluations=opts.max_evaluations,
+                               emit_rules=opts.emit_rules, example_inputs=example_inputs,
+                               example_kwargs=opts.example_kwargs)
+    mode = opts.mode
     if budget is not None and mode == "both":
         raise UsageError("max_error= with mode='both': rewrite each mode on its own (one "
                          "search per captured graph)")
@@ -124,12 +78,13 @@ def rewrite(model: torch.nn.Module, example_inputs: Any = None, *,
     if mode is not None and isinstance(model, torch.fx.GraphModule):
         raise UsageError("mode= needs an nn.Module to capture; a GraphModule is taken as it "
                          "is, in the mode it was captured in")
-    capture_args = (model, () if example_inputs is None else example_inputs, example_kwargs,
-                    capture, dynamic_shapes)
+    capture_args = (model, () if example_inputs is None else example_inputs,
+                    opts.example_kwargs, opts.capture, opts.dynamic_shapes)
     if mode == "both":  # both captures, sharing one set of parameters (fx/modes.py)
-        train, eval_ = (_capture_and_rewrite(*capture_args, m, options) for m in ("train", "eval"))
+        train, eval_ = (_capture_and_rewrite(*capture_args, m, fx_options)
+                        for m in ("train", "eval"))
         return TrainEvalModule(train, eval_, training=model.training)
-    return _capture_and_rewrite(*capture_args, mode, options, budget)
+    return _capture_and_rewrite(*capture_args, mode, fx_options, budget)
 
 
 def _capture_and_rewrite(model: torch.nn.Module, example_inputs: Any,
@@ -142,38 +97,22 @@ def _capture_and_rewrite(model: torch.nn.Module, example_inputs: Any,
         gm = capture_module(model, example_inputs, example_kwargs, mode=capture,
                             dynamic_shapes=dynamic_shapes)
     captured = time.perf_counter()
-    gm = _rewrite_graph(gm, options, budget)
+    gm = run_pipeline(gm, options, budget)
     gm.amp_report["capture_seconds"] = round(captured - start, 4)
     return gm
 
 
-def rewrite_graph(gm: torch.fx.GraphModule, *, dtype: torch.dtype | str = torch.float16,
-                  rules: Iterable[str] = (), keep_fp32: Iterable[str] = (),
-                  keep_io_types: bool = True, device: str | None = None,
-                  autocast_floor: bool = True, pad: bool | PadPolicy | None = None,
-                  fuse: bool = True, emulate_gemms: bool | None = None,
-                  fp8: str | None = None, fp8_grad_dtype: torch.dtype | str | None = None,
-                  fp8_min_size: int | None = None, keep_bf16: Iterable[str] = (),
-                  max_error: float | None = None, calibration_data: list | None = None,
-                  max_evaluations: int = 25, emit_rules: str | os.PathLike | None = None
-                  ) -> torch.fx.GraphModule:
+def rewrite_graph(gm: torch.fx.GraphModule, **options: Any) -> torch.fx.GraphModule:
     """Run the passes on a captured GraphModule (``meta['val']`` on its nodes), in place.
 
-    ``device`` (default: the device type of the graph's example values) selects kernel facts:
-    on 'cpu' the ``torch_cpu.toml`` overlay moves to gray the ops CPU kernels compute in fp32
-    internally (norms, softmax, interpolation: CPU autocast runs them low too), norms read
-    fp32 weights with low data, and ``softmax(dtype=float32)`` counts its input conversion.
-    ``emulate_gemms``, the FP8 options and the accuracy budget: as in ``rewrite``; with
+    ``options``: the graph's and the budget's fields of ``TorchOptions`` (listed below); with
     ``max_error``, ``calibration_data`` is required (one batch: searched, nothing held out).
     """
-    options = FxOptions.checked(
-        dtype=dtype, rules=rules, keep_fp32=keep_fp32, keep_io_types=keep_io_types,
-        device=device, autocast_floor=autocast_floor, pad=pad, fuse=fuse,
-        emulate_gemms=emulate_gemms, fp8=fp8, fp8_grad_dtype=fp8_grad_dtype,
-        fp8_min_size=fp8_min_size, keep_bf16=keep_bf16)
-    budget = fx_budget.request(max_error, calibration_data=calibration_data,
-                               max_evaluations=max_evaluations, emit_rules=emit_rules)
-    return _rewrite_graph(gm, options, budget)
+    opts = TorchOptions.of(options, "rewrite_graph", scopes=(GRAPH, BUDGET))
+    budget = fx_budget.request(opts.max_error, calibration_data=opts.calibration_data,
+                               max_evaluations=opts.max_evaluations,
+                               emit_rules=opts.emit_rules)
+    return run_pipeline(gm, FxOptions.of(opts), budget)
 
 
 @dataclasses.dataclass
@@ -198,10 +137,12 @@ class _Lowered:
     emulated: dict
 
 
-def _rewrite_graph(gm: torch.fx.GraphModule, options: FxOptions,
+def run_pipeline(gm: torch.fx.GraphModule, options: FxOptions,
                    budget: fx_budget.BudgetRequest | None = None) -> torch.fx.GraphModule:
-    """The pipeline; ``budget``: search the accuracy budget's pins on copies of the
-    prepared graph first, and measure the result on the held-out batches."""
+    """The torch pipeline on a captured graph, with checked options: what ``rewrite``,
+    ``rewrite_graph`` and the compile backend share. ``budget``: search the accuracy
+    budget's pins on copies of the prepared graph first, and measure the result on the
+    held-out batches."""
     if budget is not None:
         fx_budget.check_not_rewritten(gm)
         reference = fx_budget.References.of(gm, budget)
@@ -424,3 +365,12 @@ def _captured_attention_hint(gm: torch.fx.GraphModule, report: core_report.Repor
     shown = ", ".join(map(repr, called[:3])) + (" ..." if len(called) > 3 else "")
     return (f": attention is one fused node per call here, {shown} "
             f"(explain(gm, {called[0]!r}))")
+
+
+# help() and editors show the options as keywords; the docstrings list them
+for _entry, _scopes in ((rewrite, None), (rewrite_graph, (GRAPH, BUDGET))):
+    _entry.__signature__ = core_options.signature(_entry, TorchOptions, _scopes)
+    _entry.__doc__ += "\n    Options:\n\n" + "\n".join(
+        "    " + line for line in core_options.describe(TorchOptions, _scopes).splitlines()
+    ) + "\n"
+del _entry, _scopes

@@ -43,8 +43,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 from amp_rewrite import arguments
 from amp_rewrite.core import report as core_report
 from amp_rewrite.errors import UsageError
-from amp_rewrite.fx import REPORT_KEY, _rewrite_graph
+from amp_rewrite.fx import REPORT_KEY, run_pipeline
 from amp_rewrite.fx import explain as explain_graph
+from amp_rewrite.fx.options import GRAPH, TorchOptions
 from amp_rewrite.fx.passes import FxOptions
 from amp_rewrite.fx.pointwise import UnfuseRegions
 
@@ -53,12 +54,6 @@ __all__ = ["backend", "compile", "explain", "report"]
 log = logging.getLogger(__name__)
 
 INNER = ("inductor", "eager")
-# the rewrite() options that make sense per dynamo graph (capture, mode, dynamic_shapes
-# belong to dynamo), with their defaults
-_REWRITE_OPTIONS = {"dtype": torch.float16, "rules": (), "keep_fp32": (),
-                    "keep_io_types": True, "device": None, "autocast_floor": True,
-                    "pad": None, "fuse": True, "emulate_gemms": None, "fp8": None,
-                    "fp8_grad_dtype": None, "fp8_min_size": None, "keep_bf16": ()}
 _GRAPH_NUMBER = itertools.count()
 _CHECKPOINT_REGIONS = itertools.count()  # ac_graph_id of each inlined checkpointed region
 _RECOMPUTE, _AC_GRAPH_ID = "recompute", "ac_graph_id"  # node.meta keys AOTAutograd reads
@@ -88,14 +83,11 @@ class BackendOptions:
         options = {} if options is None else options
         if not isinstance(options, Mapping):
             raise UsageError(f"options must be a dict, got {type(options).__name__}")
-        unknown = sorted(set(options) - {*_REWRITE_OPTIONS, "inner"})
-        if unknown:
-            raise UsageError(f"unknown amp_rewrite backend option(s) {', '.join(unknown)}; "
-                             f"expected some of inner, {', '.join(_REWRITE_OPTIONS)}")
         inner = arguments.choice(options.get("inner", "inductor"), INNER, name="inner")
-        rewrite_options = {**_REWRITE_OPTIONS,
-                           **{k: v for k, v in options.items() if k != "inner"}}
-        return cls(FxOptions.checked(**rewrite_options), inner)
+        # the per-graph options: capture, mode and dynamic shapes belong to dynamo
+        graph = TorchOptions.of({k: v for k, v in options.items() if k != "inner"},
+                                "the amp_rewrite backend", scopes=(GRAPH,))
+        return cls(FxOptions.of(graph), inner)
 
 
 def backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
@@ -114,7 +106,7 @@ class _Backend:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
         aten = to_aten(gm, example_inputs)
         checkpointed = any(_RECOMPUTE in n.meta for n in aten.graph.nodes)
-        rewritten = _rewrite_graph(aten, self.options.fx)
+        rewritten = run_pipeline(aten, self.options.fx)
         _remember(rewritten, example_inputs, self.own)
         if self.options.inner == "eager":
             if checkpointed:

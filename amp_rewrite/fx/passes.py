@@ -13,7 +13,7 @@ Each returns ``PassResult(gm, modified)`` from what it changed; a second run cha
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -22,7 +22,6 @@ from torch import nn
 from torch.fx import Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-from amp_rewrite import arguments
 from amp_rewrite.core import LowDtype, PadPolicy, Precision, PrecisionPlan, RuleSet, plan_precision
 from amp_rewrite.core.report import Reasons, Report, node_records
 from amp_rewrite.fx import opkeys
@@ -30,7 +29,6 @@ from amp_rewrite.fx.apply import ApplyResult, apply_plan, check_applied, retype_
 from amp_rewrite.fx.floor import autocast_pins
 from amp_rewrite.fx.fp8 import Fp8Options
 from amp_rewrite.fx.view import FxView, alias_set, build_view, finished, resolve
-from amp_rewrite.runtime import listed
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +215,7 @@ def _make_functional(node: Node) -> int:
 
 @dataclass(frozen=True)
 class FxOptions:
-    """The options of ``rewrite`` / ``rewrite_graph``, checked once (``FxOptions.checked``)."""
+    """What the passes need, from the checked user options (``FxOptions.of``)."""
 
     low: torch.dtype = torch.float16
     rules: tuple[str, ...] = ()
@@ -233,20 +231,15 @@ class FxOptions:
     budget_pins: Mapping[str, str] = field(default_factory=dict, hash=False)
 
     @classmethod
-    def checked(cls, *, dtype: object, rules: Iterable[str], keep_fp32: object,
-                keep_io_types: object, device: object, autocast_floor: object,
-                pad: bool | PadPolicy | None, fuse: bool,
-                emulate_gemms: bool | None, fp8: object = None, fp8_grad_dtype: object = None,
-                fp8_min_size: object = None, keep_bf16: object = ()) -> FxOptions:
-        """Wrong types fail here, in one line, not deep inside the passes (``arguments``)."""
-        low = arguments.low_dtype(dtype)
-        return cls(low, tuple(map(str, listed(rules))),
-                   tuple(arguments.patterns(keep_fp32, name="keep_fp32")),
-                   arguments.flag(keep_io_types, name="keep_io_types"),
-                   arguments.device_type(device),
-                   arguments.flag(autocast_floor, name="autocast_floor"), pad, fuse,
-                   emulate_gemms,
-                   Fp8Options.checked(fp8, fp8_grad_dtype, fp8_min_size, keep_bf16, low))
+    def of(cls, options) -> FxOptions:
+        """The passes' options from the user's checked ones (``fx/options.TorchOptions``);
+        the FP8 options are checked together here (they depend on each other and the dtype)."""
+        low = options.dtype
+        return cls(low, options.rules, options.keep_fp32, options.keep_io_types,
+                   options.device, options.autocast_floor, options.pad, options.fuse,
+                   options.emulate_gemms,
+                   Fp8Options.checked(options.fp8, options.fp8_grad_dtype,
+                                      options.fp8_min_size, options.keep_bf16, low))
 
 
 class MixedPrecisionPass(PassBase):
