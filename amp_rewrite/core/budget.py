@@ -25,12 +25,20 @@ relative output error under low-precision rounding. The search spends at most
    pins, until the evaluations run out.
 
 Every plan returned was measured within E (or is step 2's).
+
+Around the search, written once for both paths against ``BudgetAdapter`` (decision 0035):
+``plan_within_budget`` (the search, its estimate from recorded values, then ``relax``), and
+``BudgetOutcome``: the report section, the pinned and lowered records, the held-out numbers
+and the rule overlay.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from amp_rewrite.core.metric import peak_magnitude, worst_relative_error
 
 DEFAULT_MAX_EVALUATIONS = 25
 # Plans must measure within this fraction of E on the inputs searched: the promise is E on
@@ -322,3 +330,233 @@ def rule_overlay(pins: Iterable[tuple[str, str, str]], header: Iterable[str] = (
             lines.append(f"{json.dumps(pattern, ensure_ascii=False)} = "
                          f"{json.dumps(reason, ensure_ascii=False)}")
     return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- adapters
+
+
+class BudgetAdapter(Protocol):
+    """What a path gives the budget. Plans are the adapter's own objects (an ONNX
+    ``PrecisionPlan``, a lowered torch graph); values are named by the adapter."""
+
+    low_max: float  # the low dtype's largest finite value: a unit beyond it overflows
+    mask_sentinel: float | None  # magnitudes the low plan gives its own extreme (None: none)
+    graph_outputs: frozenset[str]  # names of the values the graph outputs
+
+    def units(self) -> list[Unit]:
+        """The nodes the default plan runs low by the rules' choice, with FLOPs as weight."""
+
+    def relax_units(self) -> list[Unit]:
+        """Nodes the default plan keeps fp32 only for headroom, which the budget may run low
+        (``relax``); none where the path has no such pins."""
+
+    def fp32_reason(self, key: Hashable) -> str:
+        """Why the default plan keeps a ``relax_units`` node fp32."""
+
+    def plan(self, pins: frozenset = frozenset(), low_pins: frozenset = frozenset()) -> Any:
+        """The default plan with the ``pins`` units fixed fp32 and ``low_pins`` low."""
+
+    def measure(self, plan: Any, held_out: bool = False) -> float | None:
+        """The metric (``core.metric``) of ``plan`` on the search (or held-out) inputs;
+        None without held-out inputs."""
+
+    def values(self, plan: Any | None) -> Mapping[str, Sequence]:
+        """Intermediate values by name, each a list of arrays, of one run of ``plan`` on the
+        first search inputs (None: the FP32 graph)."""
+
+    def unit_io(self, key: Hashable) -> tuple[Sequence[str], Sequence[str]]:
+        """The names of a unit's inputs and outputs, as ``values`` names them."""
+
+
+def plan_within_budget(adapter: BudgetAdapter, budget: float, option: str, *,
+                       max_evaluations: int = DEFAULT_MAX_EVALUATIONS,
+                       progress: Callable[[int, float], None] | None = None
+                       ) -> tuple[BudgetResult, list[Unit], Relaxed | None]:
+    """The search on the adapter's units (its estimate: ``estimate_contributions``), then,
+    with slack left, ``relax``: (the search's result, its units, the relaxation)."""
+    units = adapter.units()
+    result = search(units, lambda pins: adapter.measure(adapter.plan(frozenset(pins))), budget,
+                    estimate=lambda: estimate_contributions(adapter, units),
+                    max_evaluations=max_evaluations, progress=progress)
+    relaxed = relax(adapter, budget, option, max_evaluations - result.evaluations, result,
+                    progress)
+    return result, units, relaxed
+
+
+def unit_peak(adapter: BudgetAdapter, key: Hashable, fp32: Mapping[str, Sequence]) -> float:
+    """The largest |x| a unit reads or writes in the FP32 run (the mask sentinel aside)."""
+    ins, outs = adapter.unit_io(key)
+    return peak_magnitude([a for name in (*ins, *outs) for a in fp32.get(name, ())],
+                          adapter.mask_sentinel)
+
+
+def estimate_contributions(adapter: BudgetAdapter, units: list[Unit]
+                           ) -> dict[Hashable, float]:
+    """Each unit's error contribution without measuring it alone (one plan run): infinite
+    for a unit with a value beyond the low dtype's range in the FP32 run — found without a
+    run, where one overflow's infinities would hide the next — else the error it injects
+    in the default plan with those pinned (``injected_errors``)."""
+    fp32 = adapter.values(None)
+    overflowing = {u.key for u in units if unit_peak(adapter, u.key, fp32) > adapter.low_max}
+    low = adapter.values(adapter.plan(frozenset(overflowing)))
+    scores = injected_errors(adapter, units, fp32, low)
+    scores.update(dict.fromkeys(overflowing, math.inf))
+    return scores
+
+
+def injected_errors(adapter: BudgetAdapter, units: Iterable[Unit],
+                    fp32: Mapping[str, Sequence], low: Mapping[str, Sequence]
+                    ) -> dict[Hashable, float]:
+    """Each unit's output error less its inputs' (both the metric against FP32): infinite
+    where it turns finite inputs into Inf or NaN, 0 where its inputs are already infinite
+    (nothing is known there). A unit writing a graph output deducts nothing: its own
+    rounding reaches the output whole."""
+    cache: dict[str, float] = {}
+
+    def error(name: str) -> float:
+        if name not in cache:
+            cache[name] = (worst_relative_error(fp32[name], low[name])
+                           if name in fp32 and name in low else 0.0)
+        return cache[name]
+
+    scores = {}
+    for unit in units:
+        ins, outs = adapter.unit_io(unit.key)
+        out_error = max((error(v) for v in outs), default=0.0)
+        in_error = 0.0 if adapter.graph_outputs & set(outs) else max(
+            (error(v) for v in ins if v), default=0.0)
+        if math.isinf(in_error):
+            scores[unit.key] = 0.0
+        elif math.isinf(out_error):
+            scores[unit.key] = math.inf
+        else:
+            scores[unit.key] = max(out_error - in_error, 0.0)
+    return scores
+
+
+@dataclass
+class Relaxed:
+    """Nodes the default plan kept fp32 for headroom that the budget runs low."""
+
+    result: BudgetResult  # its pins: the candidates kept fp32
+    units: list[Unit]
+    lowered: dict[Hashable, str]  # node -> reason
+    plan: Any
+
+
+def relax(adapter: BudgetAdapter, budget: float, option: str, left: int,
+          tightened: BudgetResult, progress: Callable[[int, float], None] | None
+          ) -> Relaxed | None:
+    """With the default plan within the budget, the most FLOPs of ``adapter.relax_units``
+    run low instead, measured as the pins are (``search`` with pinned = kept fp32). The
+    calibration threshold (4096 for fp16) keeps headroom below the range that a
+    measurement can give back (decision 0028 §2)."""
+    if tightened.pins or not tightened.reachable or left < 3:
+        return None
+    units = adapter.relax_units()
+    if not units:
+        return None
+    every = frozenset(u.key for u in units)
+
+    def plan_of(kept: frozenset) -> Any:
+        return adapter.plan(low_pins=every - kept)
+
+    shown = None if progress is None else (
+        lambda done, error: progress(tightened.evaluations + done, error))
+    result = search(units, lambda kept: adapter.measure(plan_of(frozenset(kept))), budget,
+                    max_evaluations=left, progress=shown)
+    kept = frozenset(result.pins) if result.reachable else every
+    lowered = {key: (f"run low by the accuracy budget {option} (the plan measures "
+                     f"{rounded(result.error)}; the rules kept it fp32: "
+                     f"{adapter.fp32_reason(key)})")
+               for key in sorted(every - kept, key=str)}
+    return Relaxed(result, units, lowered, plan_of(kept))
+
+
+def low_flop_share(weights: Mapping[Hashable, float], low: Iterable[Hashable]) -> float:
+    """FLOPs of the ``low`` nodes over all of ``weights`` (1 when there are none)."""
+    total = sum(weights.values())
+    return sum(weights[n] for n in set(low) if n in weights) / total if total else 1.0
+
+
+# ----------------------------------------------------------------------------- the outcome
+
+
+@dataclass
+class BudgetOutcome:
+    """What the search chose and measured, for the final rewrite and its report."""
+
+    result: BudgetResult
+    units: list[Unit]
+    option: str  # how the user spelled the budget: "--max-error 0.001", "max_error=0.001"
+    inputs: str  # where the search inputs came from
+    held_out_inputs: str
+    measured_by: str  # how a plan's error is measured on this path
+    relaxed: Relaxed | None = None
+    held_out_error: float | None = None  # the final plan's
+    default_held_out_error: float | None = None
+    shares: tuple[float, float] = (1.0, 1.0)  # FLOP-weighted low share: (final, default)
+    seconds: float = 0.0
+
+    @property
+    def pins(self) -> dict[Hashable, str]:
+        """Node -> why it is pinned fp32 (the adapter's budget pins option)."""
+        return {k: pin_reason(self.result, k, self.option) for k in self.result.pins}
+
+    @property
+    def lowered(self) -> dict[Hashable, str]:
+        """Node -> why it runs low (the adapter's budget low option)."""
+        return self.relaxed.lowered if self.relaxed else {}
+
+    @property
+    def error(self) -> float:
+        """The final plan's error on the search inputs."""
+        return self.relaxed.result.error if self.relaxed else self.result.error
+
+    def report(self) -> dict:
+        """The report's ``budget`` section."""
+        r, x = self.result, self.relaxed
+        return {"max_error": r.budget, "reachable": r.reachable,
+                "achieved": rounded(self.error), "held_out": rounded(self.held_out_error),
+                "default_plan_error": rounded(r.start_error),
+                "default_plan_held_out": rounded(self.default_held_out_error),
+                "all_pinned_error": rounded(r.floor_error),
+                "evaluations": r.evaluations + (x.result.evaluations if x else 0),
+                "seconds": round(self.seconds, 3),
+                "contributions": "measured" if r.measured else "estimated",
+                "low_flop_share": round(self.shares[0], 4),
+                "default_low_flop_share": round(self.shares[1], 4),
+                "inputs": self.inputs, "held_out_inputs": self.held_out_inputs,
+                "measured_by": self.measured_by}
+
+    def pinned(self) -> list[dict]:
+        """The report's ``pinned_by_budget``."""
+        return pinned_records(self.result, self.units)
+
+    def lowered_nodes(self) -> list[dict]:
+        """The report's ``lowered_by_budget``: node, FLOPs."""
+        if not self.relaxed:
+            return []
+        weight = {u.key: u.weight for u in self.relaxed.units}
+        return [{"node": n, "flops": weight[n]} for n in sorted(self.lowered, key=str)]
+
+    def warn_if_held_out_above(self, log, data: str) -> None:
+        """A warning when the final plan's held-out error exceeds E (``data``: the option
+        that gives more varied inputs)."""
+        held, budget = self.held_out_error, self.result.budget
+        if held is not None and held > budget:
+            log.warning("accuracy budget: the plan's error on the held-out inputs (%s) is "
+                        "%.3g, above %s (%.3g on the inputs searched); pass more varied %s",
+                        self.held_out_inputs, held, self.option, self.error, data)
+
+    def overlay(self, reproduce: str, fp32: Iterable[tuple[str, str, str]] = ()) -> str:
+        """The rule overlay (``rule_overlay``) reproducing the plan without the search or
+        the data: the budget's pins, ``fp32`` entries the adapter adds (its other pins),
+        the lowered nodes as ``[keep_low]``. ``reproduce``: the first header line."""
+        pins = pin_entries(self.result, self.units, self.pins)
+        low = [(fnmatch_literal(str(n)), why, "") for n, why in
+               sorted(self.lowered.items(), key=lambda item: str(item[0]))]
+        header = [reproduce, f"error {rounded(self.error)} on {self.inputs}; "
+                             f"{rounded(self.held_out_error)} on {self.held_out_inputs}; "
+                             f"{self.result.evaluations} evaluations"]
+        return rule_overlay([*pins, *fp32], header, low)

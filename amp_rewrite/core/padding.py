@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import NamedTuple
 
+from amp_rewrite.core.flops import conv_flops, gemm_flops
+
 Dim = int | str | None
 
 
@@ -233,12 +235,12 @@ def op_flops(graph: PadGraph, op: PadOp) -> int | None:
     known = [d if isinstance(d, int) else 1 for d in out]  # symbolic dims count once
     if op.kind is PadKind.GEMM:
         k = _dim(graph, op.k_axes[0])
-        return 2 * math.prod(known) * k if isinstance(k, int) else None
+        return gemm_flops(known, k) if isinstance(k, int) else None
     w, cout_axis = op.n_axes[0]
     wshape = graph.shape(w)
     if wshape is None or _numel(wshape) is None:
         return None
-    return 2 * math.prod(known) * _numel(wshape) // wshape[cout_axis]
+    return conv_flops(known, wshape, cout_axis)
 
 
 def _dim(graph: PadGraph, ref: tuple[Hashable, int]) -> Dim:
@@ -423,12 +425,12 @@ def _estimated_flops(graph: PadGraph, op: PadOp, policy: PadPolicy) -> float:
     if out is None:
         return 0.0
     if op.kind is PadKind.GEMM:
-        return 2.0 * math.prod(out) * _estimate_dim(graph, op.k_axes[0], policy)
+        return float(gemm_flops(out, _estimate_dim(graph, op.k_axes[0], policy)))
     w, cout_axis = op.n_axes[0]
     wshape = _estimate_shape(graph, w, policy)
     if not wshape:
         return 0.0
-    return 2.0 * math.prod(out) * math.prod(wshape) / max(wshape[cout_axis], 1)
+    return float(conv_flops(out, wshape, cout_axis))
 
 
 def _flows_into_k_reads(graph: PadGraph, value: Hashable, axis: int) -> bool:

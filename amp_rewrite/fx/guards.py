@@ -20,6 +20,7 @@ from torch.fx.node import map_aggregate
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from amp_rewrite.core import OpClass, RuleSet
+from amp_rewrite.core.metric import relative_error
 from amp_rewrite.errors import UsageError
 from amp_rewrite.fx import opkeys
 from amp_rewrite.fx.apply import after_producer, set_arg
@@ -193,8 +194,9 @@ _CONV_ERRORS: dict[tuple, float | None] = {}
 
 
 def _low_conv_error(node: Node, target: object, low: torch.dtype) -> float | None:
-    """max|conv_low - conv_fp32| / max|conv_fp32| on seeded random operands of the node's
-    shapes, both computed from the same low-rounded operands (None if not probed)."""
+    """The error metric (``core.metric``: max|conv_low - conv_fp32| / max|conv_fp32|, a new
+    NaN/Inf infinite) on seeded random operands of the node's shapes, both computed from the
+    same low-rounded operands (None if not probed)."""
     args = _probe_arguments(node, low)
     if args is None:
         return None
@@ -222,7 +224,7 @@ def _low_conv_error(node: Node, target: object, low: torch.dtype) -> float | Non
         except Exception:  # noqa: BLE001 - a kernel that cannot run here says nothing
             got = want = None
     if isinstance(got, torch.Tensor) and want.numel() and want.abs().max() > 0:
-        error = float((got - want).abs().max() / want.abs().max())
+        error = relative_error(want.numpy(), got.numpy())
     _CONV_ERRORS[key] = error
     return error
 

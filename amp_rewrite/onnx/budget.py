@@ -1,4 +1,4 @@
-"""The accuracy budget on the ONNX path: measure plans under per-op rounding, search pins.
+"""The accuracy budget on the ONNX path: plans measured under per-op rounding.
 
 One instrumented copy of the fused FP32 model serves every evaluation. Each port group of the
 main graph (and each graph input and output the plan may make low) gets a boolean graph
@@ -9,24 +9,19 @@ what a GPU kernel with fp32 accumulation does (tested against ``onnx.reference``
 no emulation: a value read in the other dtype is the rounded value. Flags all off give the
 FP32 reference. A plan costs one min cut and one session run, not a rewrite.
 
-Units are main-graph nodes the default plan runs low whose precision the rules decide (the
-adapter's fixes stay); their weight is FLOPs from the shapes of one FP32 run. Where the units
-are too many to measure one by one, the estimate is infinite for a node with an input or
-output beyond the low dtype's range in the FP32 run, else the error it injects in the default
-plan (with those pinned): its outputs' relative error less its inputs'. With slack in the
-default plan, nodes pinned by the calibration threshold are tried low (``_relax``).
-Subgraph bodies run in FP32 in the emulation.
+The search, its estimate, the relaxation of calibration pins and the outcome are
+``core.budget``'s (decision 0035); this module is its ``BudgetAdapter``: units are main-graph
+nodes the default plan runs low whose precision the rules decide (the adapter's fixes
+stay), weighted by FLOPs from the shapes of one FP32 run; relaxation candidates are the
+nodes the calibration threshold pinned. Subgraph bodies run in FP32 in the emulation.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
 import onnx
 import onnx_ir as ir
@@ -34,60 +29,26 @@ import onnx_ir as ir
 from amp_rewrite import arguments
 from amp_rewrite.core import LowDtype, Precision
 from amp_rewrite.core import budget as core_budget
-from amp_rewrite.core.budget import rounded
+from amp_rewrite.core.flops import op_flops
+from amp_rewrite.core.metric import worst_relative_error
 from amp_rewrite.onnx import validate
 
 logger = logging.getLogger(__name__)
 
 _FLAG_PREFIX = "amp_rewrite.budget_flag."
 _LOW_ONNX = {LowDtype.FLOAT16: ir.DataType.FLOAT16, LowDtype.BFLOAT16: ir.DataType.BFLOAT16}
+MEASURED_BY = "onnxruntime float32 kernels, every low input and output rounded"
+_PINNED = "pinned fp32 by the accuracy budget"
+_LOWERED = "run low by the accuracy budget"
 
 
 @dataclass
-class BudgetOutcome:
-    """What the search chose and measured, for the final rewrite and the report."""
+class BudgetOutcome(core_budget.BudgetOutcome):
+    """``core.budget.BudgetOutcome`` with the FP32 model and held-out inputs, for the
+    rewritten model's own check in onnxruntime (``api._held_out_on_runtime``)."""
 
-    pins: dict[str, str]  # node name -> reason (OnnxOptions.budget_pins)
-    result: core_budget.BudgetResult
-    units: list[core_budget.Unit]
-    inputs: str  # where the search inputs came from
-    held_out_inputs: str
-    held_out_error: float
-    default_held_out_error: float
-    seconds: float
-    relax: Relaxed | None = None  # fp32 nodes run low where the default plan had slack
-    fp32: onnx.ModelProto | None = None  # the FP32 model and held-out inputs, for the
-    held_feeds: dict | None = None  # rewritten model's own check (api._held_out_on_runtime)
-    shares: tuple[float, float] = (1.0, 1.0)  # FLOP-weighted low share: (final, default)
-
-    @property
-    def lowered(self) -> dict[str, str]:
-        return self.relax.lowered if self.relax else {}
-
-    def report(self) -> dict:
-        r, x = self.result, self.relax
-        return {"max_error": r.budget, "reachable": r.reachable,
-                "achieved": rounded(x.result.error if x else r.error),
-                "held_out": rounded(self.held_out_error),
-                "default_plan_error": rounded(r.start_error),
-                "default_plan_held_out": rounded(self.default_held_out_error),
-                "all_pinned_error": rounded(r.floor_error),
-                "evaluations": r.evaluations + (x.result.evaluations if x else 0),
-                "seconds": round(self.seconds, 3),
-                "contributions": "measured" if r.measured else "estimated",
-                "low_flop_share": round(self.shares[0], 4),
-                "default_low_flop_share": round(self.shares[1], 4),
-                "inputs": self.inputs, "held_out_inputs": self.held_out_inputs,
-                "emulation": "onnxruntime float32 kernels, every low input and output rounded"}
-
-    def pinned(self) -> list[dict]:
-        return core_budget.pinned_records(self.result, self.units)
-
-    def lowered_nodes(self) -> list[dict]:
-        if not self.relax:
-            return []
-        weight = {u.key: u.weight for u in self.relax.units}
-        return [{"node": n, "flops": weight[n]} for n in sorted(self.lowered)]
+    fp32: onnx.ModelProto | None = None
+    held_feeds: dict | None = None
 
 
 class Emulator:
@@ -221,10 +182,8 @@ class Emulator:
         return self.session.run(fetch or self.outputs, {**feeds, **flags})
 
     def error(self, feeds, reference: list[np.ndarray], plan) -> float:
-        got = self.run(feeds, plan)
-        errors = validate.compare(dict(zip(self.outputs, reference)),
-                                  dict(zip(self.outputs, got)))
-        return max((math.inf if e.new_nonfinite else e.max_rel for e in errors), default=0.0)
+        """The metric (``core.metric``) of the outputs under ``plan`` against ``reference``."""
+        return worst_relative_error(reference, self.run(feeds, plan))
 
 
 def _session(proto: onnx.ModelProto):
@@ -240,27 +199,14 @@ def _session(proto: onnx.ModelProto):
                                 providers=["CPUExecutionProvider"])
 
 
-def node_flops(op_type: str, inputs: list, outputs: list) -> float:
-    """FLOPs of one node from the shapes of its inputs and outputs (arrays or shapes)."""
-    def shape(x):
-        return tuple(getattr(x, "shape", x) or ())
 
-    out = shape(outputs[0]) if outputs else ()
-    out_n = float(math.prod(out)) if out else 1.0
-    ins = [shape(x) if x is not None else () for x in inputs]
-    if op_type in ("MatMul", "FusedMatMul", "Gemm") and ins and ins[0]:
-        return 2.0 * out_n * ins[0][-1]  # K of A as stored (Gemm's transA is rare)
-    if op_type in ("Conv", "ConvTranspose") and len(ins) > 1 and len(ins[1]) > 2:
-        # Conv: each output reads C_in/groups · kernel weights; ConvTranspose: each input
-        base = out_n if op_type == "Conv" else float(math.prod(ins[0]))
-        return 2.0 * base * math.prod(ins[1][1:])
-    if op_type in ("MultiHeadAttention", "Attention", "GroupQueryAttention",
-                   "PackedMultiHeadAttention") and ins and ins[0]:
-        q = ins[0]
-        kv = ins[1] if len(ins) > 1 and ins[1] else q
-        s_kv = kv[-2] if len(kv) == 4 else kv[1] if len(kv) == 3 else q[-2]
-        return 4.0 * float(math.prod(q)) * s_kv
-    return out_n
+def node_flops(op_type: str, inputs: list, outputs: list) -> float:
+    """FLOPs of one node (``core.flops.op_flops``) from its inputs' and outputs' arrays or
+    shapes (None: unknown)."""
+    def shape(x):
+        return None if x is None else tuple(getattr(x, "shape", x))
+
+    return op_flops(op_type, [shape(x) for x in inputs], [shape(x) for x in outputs])
 
 
 def default_feeds(proto: onnx.ModelProto, data) -> tuple[dict, dict, str, str]:
@@ -300,126 +246,111 @@ def search_budget(pass_, model: ir.Model, max_error: float, search_feeds: dict,
                   inputs: str = "", held_out_inputs: str = "",
                   progress: Callable[[int, float], None] | None = None) -> BudgetOutcome:
     """Search the pins of ``pass_`` (an OnnxOptions pass not yet run) on ``model`` (an FP32
-    copy it may fuse and instrument) for ``max_error`` (module docstring)."""
+    copy it may fuse and instrument) for ``max_error`` (``core.budget``)."""
     max_error = arguments.max_error(max_error)
     arguments.max_evaluations(max_evaluations)
     start = time.perf_counter()
-    pass_.prepare(model)
-    default = pass_.plan_view()
-    emulator = Emulator(pass_, model)
-    _warn_unmeasured_bodies(pass_, default, emulator)
-    fetch = emulator.fetchable
-    fp32 = dict(zip(fetch, emulator.run(search_feeds, None, fetch)))
-    reference = [fp32[name] for name in emulator.outputs]
-    shapes = _shapes(emulator, search_feeds, fp32)
-    units, unit_groups = _units(pass_, default, emulator, shapes)
-    unit_list = _peaks(list(units.values()), emulator, fp32)
-
-    def plan_of(pins: frozenset):
-        extra = {g: "pinned fp32 by the accuracy budget" for k in pins for g in unit_groups[k]}
-        return pass_.plan_view(extra) if extra else default
-
-    def evaluate(pins: frozenset) -> float:
-        return emulator.error(search_feeds, reference, plan_of(pins))
-
-    def estimate() -> dict:
-        """One run of the default plan with the overflowing units pinned (module docstring)."""
-        overflowing = _overflowing(unit_list, emulator)
-        return _scores(unit_list, emulator, search_feeds, fp32,
-                       plan_of(frozenset(overflowing)), overflowing)
-
-    result = core_budget.search(unit_list, evaluate, max_error, estimate=estimate,
-                                max_evaluations=max_evaluations, progress=progress)
-    del fp32
-    relax = _relax(pass_, default, emulator, search_feeds, reference, shapes, max_error,
-                   max_evaluations - result.evaluations, result, progress)
-    final = plan_of(frozenset(result.pins)) if relax is None else relax.plan
-    held_reference = emulator.run(held_feeds, None)
-    held = emulator.error(held_feeds, held_reference, final)
-    held_default = emulator.error(held_feeds, held_reference, default)
-    if held > max_error:
-        logger.warning("accuracy budget: the plan's error on held-out inputs is %.3g, above "
-                       "--max-error %g (%.3g on the inputs searched); pass more varied "
-                       "--calibrate data", held, max_error, result.error)
+    adapter = OnnxBudget(pass_, model, search_feeds, held_feeds)
     option = f"--max-error {max_error:g}"
-    pins = {k: core_budget.pin_reason(result, k, option) for k in result.pins}
-    shares = (low_flop_share(pass_, final, emulator, shapes),
-              low_flop_share(pass_, default, emulator, shapes))
-    return BudgetOutcome(pins, result, unit_list, inputs, held_out_inputs, held,
-                         held_default, time.perf_counter() - start, relax=relax,
-                         shares=shares)
+    result, units, relaxed = core_budget.plan_within_budget(
+        adapter, max_error, option, max_evaluations=max_evaluations, progress=progress)
+    adapter.fp32 = {}  # the search inputs' intermediate values: not needed any more
+    final = relaxed.plan if relaxed else adapter.plan(frozenset(result.pins))
+    outcome = BudgetOutcome(result, units, option, inputs, held_out_inputs, MEASURED_BY,
+                            relaxed, adapter.measure(final, held_out=True),
+                            adapter.measure(adapter.default, held_out=True),
+                            (adapter.low_share(final), adapter.low_share(adapter.default)))
+    outcome.warn_if_held_out_above(logger, "--calibrate data")
+    outcome.seconds = time.perf_counter() - start
+    return outcome
 
 
-def low_flop_share(pass_, plan, emulator: Emulator, shapes) -> float:
-    """FLOPs of the main-graph nodes ``plan`` runs low (any port group low) over those of all
-    main-graph nodes with float ports."""
-    low: dict[str, bool] = {}
-    for key, (node, _) in pass_.view.groups.items():
-        if key in emulator.flags and node.name in emulator.node_io:
-            low[node.name] = low.get(node.name, False) or plan.precision(key) is Precision.LOW
-    weights = {name: _weight(emulator, name, shapes) for name in low}
-    total = sum(weights.values())
-    return sum(w for n, w in weights.items() if low[n]) / total if total else 1.0
+class OnnxBudget:
+    """The ``core.budget.BudgetAdapter`` of a prepared pass: plans are ``PrecisionPlan``s
+    measured by the ``Emulator``; units are node names, values are value names."""
 
+    mask_sentinel = None  # a float32-max mask rounds to inf here, as in the rewritten model
 
-@dataclass
-class Relaxed:
-    """Nodes the calibration threshold kept fp32 that the budget runs low."""
+    def __init__(self, pass_, model: ir.Model, search_feeds: dict, held_feeds: dict) -> None:
+        pass_.prepare(model)
+        self.pass_, self.default = pass_, pass_.plan_view()
+        self.emulator = emulator = Emulator(pass_, model)
+        _warn_unmeasured_bodies(pass_, self.default, emulator)
+        self.feeds = {False: search_feeds, True: held_feeds}
+        fetch = emulator.fetchable
+        self.fp32 = dict(zip(fetch, emulator.run(search_feeds, None, fetch)))
+        self.references = {False: [self.fp32[name] for name in emulator.outputs]}
+        self.shapes = _shapes(emulator, search_feeds, self.fp32)
+        self.low_max = emulator.view.low.max_finite
+        self.graph_outputs = frozenset(emulator.outputs)
+        self.unit_groups = _node_groups(pass_, emulator, lambda key: True)
+        self.relax_groups = _relax_candidates(pass_, self.default, emulator)
 
-    result: core_budget.BudgetResult  # its pins: the candidates kept fp32
-    units: list[core_budget.Unit]
-    lowered: dict[str, str]  # node name -> reason (OnnxOptions.budget_low)
-    plan: object
+    def units(self) -> list[core_budget.Unit]:
+        """Main-graph nodes the default plan runs low by the rules' choice, with FLOPs and
+        peaks from the FP32 run."""
+        low = {name for name, keys in self.unit_groups.items()
+               if any(self.default.precision(k) is Precision.LOW for k in keys)}
+        fp32 = self.values(None)
+        return [core_budget.Unit(name, self.weight(name),
+                                 peak=core_budget.unit_peak(self, name, fp32))
+                for name in sorted(low - _duplicate_names(self.pass_))]
 
+    def relax_units(self) -> list[core_budget.Unit]:
+        return [core_budget.Unit(name, self.weight(name)) for name in sorted(self.relax_groups)]
 
-def _relax(pass_, default, emulator, feeds, reference, shapes, max_error: float, left: int,
-           tightened: core_budget.BudgetResult, progress) -> Relaxed | None:
-    """With the default plan within the budget, the most FLOPs of the nodes the calibration
-    threshold kept fp32 run low instead, measured as the pins are (``core_budget.search``
-    with pinned = kept fp32)."""
-    if tightened.pins or not tightened.reachable or left < 3:
-        return None
-    groups = _relax_candidates(pass_, default, emulator)
-    if not groups:
-        return None
-    units = [core_budget.Unit(name, _weight(emulator, name, shapes)) for name in sorted(groups)]
+    def fp32_reason(self, name: str) -> str:
+        return self.default.decisions[self.relax_groups[name][0]].reason
 
-    def plan_of(kept: frozenset):
-        low = {g: "run low by the accuracy budget" for name, gs in groups.items()
-               if name not in kept for g in gs}
-        return pass_.plan_view(None, low) if low else default
+    def plan(self, pins: frozenset = frozenset(), low_pins: frozenset = frozenset()):
+        high = {g: _PINNED for name in pins for g in self.unit_groups[name]}
+        low = {g: _LOWERED for name in low_pins for g in self.relax_groups[name]}
+        return self.pass_.plan_view(high, low) if high or low else self.default
 
-    def evaluate(kept: frozenset) -> float:
-        return emulator.error(feeds, reference, plan_of(kept))
+    def measure(self, plan, held_out: bool = False) -> float:
+        feeds = self.feeds[held_out]
+        if held_out not in self.references:
+            self.references[held_out] = self.emulator.run(feeds, None)
+        return self.emulator.error(feeds, self.references[held_out], plan)
 
-    shown = (lambda done, error: progress(tightened.evaluations + done, error)) if progress \
-        else None
-    result = core_budget.search(units, evaluate, max_error, max_evaluations=left,
-                                progress=shown)
-    kept = set(result.pins) if result.reachable else set(groups)
-    lowered = {name: (f"run low by the accuracy budget --max-error {max_error:g} (the plan "
-                      f"measures {rounded(result.error)}; the rules kept it fp32: "
-                      f"{default.decisions[groups[name][0]].reason})")
-               for name in groups if name not in kept}
-    return Relaxed(result, units, lowered, plan_of(frozenset(kept)))
+    def values(self, plan) -> dict[str, list]:
+        fetch = self.emulator.fetchable
+        run = self.fp32 if plan is None else dict(
+            zip(fetch, self.emulator.run(self.feeds[False], plan, fetch)))
+        return {name: [a] for name, a in run.items()}
+
+    def unit_io(self, name: str) -> tuple[list[str], list[str]]:
+        ins, outs, _ = self.emulator.node_io[name]
+        seen = self.emulator.visible
+        return [seen.get(v, v) for v in ins if v], [seen.get(v, v) for v in outs if v]
+
+    def weight(self, name: str) -> float:
+        ins, outs, op = self.emulator.node_io[name]
+        return node_flops(op, [self.shapes.get(v) for v in ins],
+                          [self.shapes.get(v) for v in outs])
+
+    def low_share(self, plan) -> float:
+        """FLOPs of the main-graph nodes ``plan`` runs low (any port group low) over those
+        of all main-graph nodes with float ports."""
+        low: dict[str, bool] = {}
+        for key, (node, _) in self.pass_.view.groups.items():
+            if key in self.emulator.flags and node.name in self.emulator.node_io:
+                low[node.name] = (low.get(node.name, False)
+                                  or plan.precision(key) is Precision.LOW)
+        weights = {name: self.weight(name) for name in low}
+        return core_budget.low_flop_share(weights, [n for n, is_low in low.items() if is_low])
 
 
 def _relax_candidates(pass_, default, emulator) -> dict[str, list]:
     """Node name -> its groups that run fp32 only because of a calibration pin (main graph,
-    uniquely named nodes, not fixed by the adapter). The threshold (4096 for fp16) leaves
-    headroom below the range that the measurement can give back; deny propagation is kept:
-    it encodes what inputs the data may not show (an all-masked row, a larger exp input),
-    and its ops are light."""
+    uniquely named nodes, not fixed by the adapter). Deny propagation is kept: it stands for
+    inputs the data may not show (an all-masked row, a larger exp input), and its ops are
+    light (decision 0028 §2)."""
     calibrated = set(pass_.option_pins[0])
     duplicated = _duplicate_names(pass_)
     groups = _node_groups(pass_, emulator, lambda key: key in calibrated
                           and default.decisions[key].precision is not Precision.LOW)
     return {name: keys for name, keys in groups.items() if name not in duplicated}
-
-
-def _weight(emulator, name: str, shapes) -> float:
-    ins, outs, op = emulator.node_io[name]
-    return node_flops(op, [shapes.get(v) for v in ins], [shapes.get(v) for v in outs])
 
 
 def _warn_unmeasured_bodies(pass_, default, emulator: Emulator) -> None:
@@ -434,17 +365,7 @@ def _warn_unmeasured_bodies(pass_, default, emulator: Emulator) -> None:
                        len(hidden))
 
 
-def _units(pass_, default, emulator: Emulator, shapes) -> tuple[dict, dict]:
-    """(node name -> Unit, node name -> its group keys) for the main-graph
-    nodes the default plan runs low by the rules' choice; FLOPs from one FP32 run."""
-    groups = _node_groups(pass_, emulator)
-    low = {n for n, ks in groups.items() if any(default.precision(k) is Precision.LOW for k in ks)}
-    names_ = sorted(low - _duplicate_names(pass_))
-    units = {name: core_budget.Unit(name, _weight(emulator, name, shapes)) for name in names_}
-    return units, {n: groups[n] for n in names_}
-
-
-def _node_groups(pass_, emulator: Emulator, wanted=lambda key: True) -> dict[str, list]:
+def _node_groups(pass_, emulator: Emulator, wanted) -> dict[str, list]:
     """Node name -> its ``wanted`` group keys (main graph, named nodes, not adapter-fixed)."""
     groups: dict[str, list] = {}
     for key, (node, _) in pass_.view.groups.items():
@@ -472,92 +393,18 @@ def _shapes(emulator: Emulator, feeds, fp32: Mapping[str, np.ndarray]) -> dict[s
     return shapes
 
 
-def _peaks(units: list, emulator: Emulator, fp32: Mapping[str, np.ndarray]) -> list:
-    """The units with ``peak``: the largest finite |x| of their float inputs and outputs in
-    the FP32 run (weights aside: the range screen has judged them)."""
-    peaks: dict[str, float] = {}
-
-    def peak(name: str) -> float:
-        seen = emulator.visible.get(name, name)
-        if seen not in peaks:
-            a = fp32.get(seen)
-            finite = a[np.isfinite(a)] if a is not None and a.dtype.kind == "f" else None
-            peaks[seen] = float(np.abs(finite).max()) if finite is not None and finite.size \
-                else 0.0
-        return peaks[seen]
-
-    out = []
-    for unit in units:
-        ins, outs, _ = emulator.node_io[unit.key]
-        top = max((peak(v) for v in (*ins, *outs) if v), default=0.0)
-        out.append(dataclasses.replace(unit, peak=top))
-    return out
-
-
-def _overflowing(units: list, emulator: Emulator) -> set:
-    """Units with a float input or output beyond the low dtype's range in the FP32 run: low,
-    they overflow whatever else runs low (found without a run, where an overflow upstream
-    would hide the next one behind its infinities)."""
-    limit = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max if emulator.view.low is
-                  LowDtype.BFLOAT16 else np.finfo(np.float16).max)
-    return {u.key for u in units if u.peak > limit}
-
-
-def _scores(units: list, emulator: Emulator, feeds, fp32: Mapping[str, np.ndarray], plan,
-            overflowing: set) -> dict:
-    """Each unit's injected error in ``plan`` (the default plan with the overflowing units
-    pinned): max relative error of its outputs less that of its inputs, both against the
-    FP32 run, by unit key; for a node writing a graph output, its output's error; an
-    overflowing unit's is infinite."""
-    fetch = emulator.fetchable
-    low = dict(zip(fetch, emulator.run(feeds, plan, fetch)))
-    rel_cache: dict[str, float] = {}
-
-    def rel(name: str) -> float:
-        seen = emulator.visible.get(name, name)
-        if seen not in rel_cache:
-            a, b = fp32.get(seen), low.get(seen)
-            if a is None or b is None:
-                rel_cache[seen] = 0.0
-            else:
-                e = validate.compare({seen: a}, {seen: b})[0]
-                rel_cache[seen] = math.inf if e.new_nonfinite else e.max_rel
-        return rel_cache[seen]
-
-    graph_outputs = set(emulator.outputs)
-    scores = {}
-    for unit in units:
-        if unit.key in overflowing:
-            scores[unit.key] = math.inf
-            continue
-        ins, outs, _ = emulator.node_io[unit.key]
-        out_err = max((rel(v) for v in outs), default=0.0)
-        # an output's own rounding reaches the graph output whole: no input error to deduct
-        in_err = 0.0 if graph_outputs & set(outs) else max((rel(v) for v in ins if v),
-                                                            default=0.0)
-        if math.isinf(out_err):
-            scores[unit.key] = 0.0 if math.isinf(in_err) else math.inf
-        else:
-            scores[unit.key] = max(out_err - in_err, 0.0)
-    return scores
-
-
 def write_rule_overlay(path, pass_, outcome: BudgetOutcome, options) -> None:
     """A rule overlay reproducing the budgeted plan without the search or the data: the
-    budget's pins, the nodes calibration pinned and the ``--keep-fp32`` patterns given."""
+    budget's pins and lowered nodes, the nodes calibration pinned and the ``--keep-fp32``
+    patterns given."""
     from amp_rewrite.onnx.save import write_bytes_atomically
 
-    r = outcome.result
-    entries = core_budget.pin_entries(r, outcome.units, outcome.pins)
     calibrated = sorted({pass_.view.graph.group(k).name
                          for k, d in pass_.plan.decisions.items()
                          if d.fixed and d.reason.startswith("calibration saw")} - {""})
-    entries += [(core_budget.fnmatch_literal(n), "pinned fp32 by calibration (--calibrate)", "")
-                for n in calibrated]
-    entries += [(p, "--keep-fp32 pattern", "") for p in options.keep_fp32]
-    low = [(core_budget.fnmatch_literal(n), why, "") for n, why in sorted(outcome.lowered.items())]
-    header = [f"amp-rewrite --max-error {r.budget:g}: rewriting with this overlay (--rules) and "
-              "no --max-error reproduces the plan",
-              f"error {rounded(r.error)} on {outcome.inputs}; {rounded(outcome.held_out_error)} "
-              f"held out; {r.evaluations} evaluations"]
-    write_bytes_atomically(path, core_budget.rule_overlay(entries, header, low).encode("utf-8"))
+    fp32 = [(core_budget.fnmatch_literal(n), "pinned fp32 by calibration (--calibrate)", "")
+            for n in calibrated]
+    fp32 += [(p, "--keep-fp32 pattern", "") for p in options.keep_fp32]
+    text = outcome.overlay(f"amp-rewrite {outcome.option}: rewriting with this overlay "
+                           "(--rules) and no --max-error reproduces the plan", fp32)
+    write_bytes_atomically(path, text.encode("utf-8"))

@@ -1,9 +1,9 @@
 """Run FP32 and rewritten models side by side; calibration maxima; runtime selection.
 
-Errors are measured per output as max|a−b| and max|a−b| / max|a_fp32| (relative to the
-output's scale, so values near zero do not blow the ratio up). ``validate_rewrite`` (what
-``--validate`` runs) also runs the rewritten model per op, as a GPU rounds it, and finds the
-low-precision nodes that overflow (``Overflow``).
+Errors are measured per output as max|a−b| and max|a−b| / max|a_fp32| (``core.metric``:
+relative to the output's scale, so values near zero do not blow the ratio up).
+``validate_rewrite`` (what ``--validate`` runs) also runs the rewritten model per op, as a
+GPU rounds it, and finds the low-precision nodes that overflow (``Overflow``).
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import numpy as np
 import onnx
 
 from amp_rewrite.core import LowDtype
+from amp_rewrite.core.metric import difference
 from amp_rewrite.errors import ModelError, UsageError, ValidationError, first_line
 from amp_rewrite.onnx.load import text as _text
 
@@ -178,21 +179,12 @@ class OutputError:
 
 
 def compare(reference: Mapping[str, np.ndarray], got: Mapping[str, np.ndarray]) -> list[OutputError]:
+    """Per output of ``reference``, ``got``'s output of that name against it (the metric:
+    ``core.metric``)."""
     errors = []
     for name, ref in reference.items():
-        out = np.asarray(got[name])
-        if not np.issubdtype(ref.dtype, np.floating):
-            same = np.array_equal(ref, out)
-            errors.append(OutputError(name, 0.0 if same else np.inf, 0.0 if same else np.inf, False))
-            continue
-        ref64, out64 = ref.astype(np.float64), out.astype(np.float64)
-        finite = np.isfinite(ref64)
-        new_bad = bool((finite & ~np.isfinite(out64)).any())
-        with np.errstate(invalid="ignore"):  # inf - inf where both runs are inf: masked out
-            diff = np.abs(ref64 - out64)[finite & np.isfinite(out64)]
-        max_abs = float(diff.max()) if diff.size else 0.0
-        scale = float(np.abs(ref64[finite]).max()) if finite.any() else 0.0
-        errors.append(OutputError(name, max_abs, max_abs / max(scale, 1e-30), new_bad))
+        d = difference(ref, got[name])
+        errors.append(OutputError(name, d.max_abs, d.max_rel, d.new_nonfinite))
     return errors
 
 
