@@ -363,7 +363,6 @@ def _check_side_paths(args) -> tuple[Path | None, Path | None]:
 def _validate(args, result):
     import onnx
 
-    from amp_rewrite.core import LowDtype
     from amp_rewrite.onnx import save, validate
 
     fp32 = onnx.load(args.model)
@@ -433,7 +432,6 @@ def _print_summary(r: dict, args) -> None:
     if r["identity_casts_removed"]:
         rows.insert(4, ("identity casts removed", r["identity_casts_removed"]))
     if args.calibration_data:
-        from amp_rewrite.core import LowDtype
         from amp_rewrite.onnx.api import default_threshold
 
         threshold = (args.calibration_threshold if args.calibration_threshold is not None
