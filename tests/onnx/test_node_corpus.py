@@ -8,7 +8,7 @@ computes each op in its declared dtype. At least 99% of the cases must be valid.
 bf16: onnxruntime's CPU provider has no bf16 kernel for most ops (MatMul, Add, Mul, Sqrt, ...);
 a case it answers NOT_IMPLEMENTED says nothing about the conversion, so for bf16 the ORT check
 counts only the cases ORT can run, while the checker and the reference evaluator judge all.
-About a minute on 2 cores; tools/onnx_node_corpus.py runs the same with the peers.
+About a minute on 2 cores; ``python -m benchmarks compare corpus`` runs the same with the peers.
 """
 from __future__ import annotations
 
