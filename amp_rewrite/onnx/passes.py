@@ -17,6 +17,8 @@ import onnx_ir as ir
 
 from amp_rewrite.core import (LowDtype, PadPolicy, PrecisionPlan, RuleSet, load_rules,
                               plan_precision)
+from amp_rewrite.core import pipeline as core_pipeline
+from amp_rewrite.core.pipeline import Pass
 from amp_rewrite.core.report import Reasons, Report, node_records
 from amp_rewrite.onnx.load import LoadInfo, model_graphs
 from amp_rewrite.onnx.apply import ApplyStats, apply_plan
@@ -76,35 +78,53 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
         self.view: OnnxView | None = None
         self.plan: PrecisionPlan | None = None
         self.stats: ApplyStats | None = None
-        self.pad_stats: PadStats | None = None
         self.fusion: FusionPass | None = None
         self.low_io: dict = {}
         # (group key -> reason) fixed high, and fixed low, by the options (``prepare``)
         self.option_pins: tuple[dict, dict] = ({}, {})
+        self.pad_stats = PadStats()
+        self.record = core_pipeline.Record()
+        self._graphs: list[ir.Graph] | None = None
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        self.prepare(model)
-        self.plan = self.plan_view()
-        _warn_unmatched_patterns(self.options.keep_fp32, self.view)
-        self.stats = apply_plan(model, self.view, self.plan)
-        self.pad_stats = (pad_model(model, self.options.pad_policy) if self.options.pad
-                          else PadStats())
+        """The pipeline (docs/design.md §1) as named passes on the core's contract."""
+        self.record = core_pipeline.Record()
+        core_pipeline.run(model, "prepare", self.prepare_passes(), self.record)
+        core_pipeline.run(model, "plan", [Pass("plan", self._plan_and_apply)], self.record)
+        core_pipeline.run(model, "lower", [Pass("pad gemms", self._pad)] if self.options.pad
+                          else [], self.record)
         _forget_load_time_types(self.info.untyped)
         return ir.passes.PassResult(model, modified=self.modified
                                     or bool(self.fusion and self.fusion.rule_hits))
 
+    def prepare_passes(self) -> list[Pass]:
+        """Fuse patterns first, then plan (docs/design.md §1); the view is built on the
+        fused model, with types inferred where fusion or loading left none."""
+        fusion = [Pass("fuse patterns", self._fuse)] if self.options.fuse else []
+        return [*fusion, Pass("infer missing types", self._infer_types),
+                Pass("build precision view", self._build_view)]
+
     def prepare(self, model: ir.Model) -> OnnxView:
-        """Fuse patterns and build the precision view (the steps before the plan)."""
-        if self.options.fuse:  # docs/design.md §1: fuse first, then plan
-            self.fusion = FusionPass(self.options.target)
-            self.fusion(model)
-        graphs = model_graphs(model, self.info.flat)  # one walk for both steps
+        """The prepare stage alone (the accuracy budget re-plans the view it builds)."""
+        core_pipeline.run(model, "prepare", self.prepare_passes(), self.record)
+        return self.view
+
+    def _fuse(self, model: ir.Model) -> ir.passes.PassResult:
+        self.fusion = FusionPass(self.options.target)
+        return self.fusion(model)
+
+    def _infer_types(self, model: ir.Model) -> bool:
+        self._graphs = model_graphs(model, self.info.flat)  # one walk for both steps
         # typed as loaded, and fusion added no untyped value: nothing to infer
-        if not self.info.typed or (self.fusion and self.fusion.rule_hits):
-            infer_missing_types(model, graphs)
-        self.info.typed = False  # the pass changed the model: it holds for it no more
+        inferred = not self.info.typed or bool(self.fusion and self.fusion.rule_hits)
+        if inferred:
+            infer_missing_types(model, self._graphs)
+        self.info.typed = False  # the pass changes the model: it holds for it no more
+        return False  # types of values already there: the model means the same
+
+    def _build_view(self, model: ir.Model) -> bool:
         self.view = build_view(model, self.options.dtype,
-                               keep_io_types=self.options.keep_io_types, graphs=graphs,
+                               keep_io_types=self.options.keep_io_types, graphs=self._graphs,
                                clamp_constants=self.options.clamp_constants,
                                low_io=self.options.low_io,
                                inferred_sizes=self.info.inferred_sizes)
@@ -114,7 +134,17 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
         self.option_pins = (self._pins(), {
             k: self.options.budget_low[node.name] for k, (node, _) in self.view.groups.items()
             if node.name in self.options.budget_low})
-        return self.view
+        return False
+
+    def _plan_and_apply(self, model: ir.Model) -> bool:
+        self.plan = self.plan_view()
+        _warn_unmatched_patterns(self.options.keep_fp32, self.view)
+        self.stats = apply_plan(model, self.view, self.plan)
+        return self.stats.modified
+
+    def _pad(self, model: ir.Model) -> bool:
+        self.pad_stats = pad_model(model, self.options.pad_policy)
+        return self.pad_stats.modified
 
     def plan_view(self, extra_pins: Mapping | None = None,
                   low_pins: Mapping | None = None) -> PrecisionPlan:
@@ -175,7 +205,8 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
                    "pinned_by_calibration": sorted(self.options.pinned_values),
                    "inserted_casts": s.inserted_casts, "opset_advice": self.opset_advice(),
                    "low_io": self.low_io,
-                   "fusion_rules": dict(self.fusion.rule_hits) if self.fusion else {}},
+                   "fusion_rules": dict(self.fusion.rule_hits) if self.fusion else {},
+                   "steps": self.record.as_report()},
             why=Reasons(self.plan, self.view.graph, self._fused_by))
 
     def opset_advice(self) -> str | None:

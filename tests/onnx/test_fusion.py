@@ -173,7 +173,7 @@ def test_onnx_target_emits_standard_ops_only_as_the_opset_allows(feeds, weights)
 def test_unknown_target_is_a_usage_error():
     from amp_rewrite.errors import UsageError
 
-    with pytest.raises(UsageError, match="unknown fusion target 'trt'"):
+    with pytest.raises(UsageError, match="target='trt': expected one of 'ort', 'onnx'"):
         rewrite_onnx(model_of(SILU), target="trt")
 
 
