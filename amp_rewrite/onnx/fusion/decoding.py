@@ -157,6 +157,7 @@ def has_rotary_tables(nodes: list[ir.Node]) -> bool:
 #     k_all = Concat(past_key, k, axis=-2)              # present.{i}.key (decode only)
 #     k_rep = Reshape(Expand(Unsqueeze(k_all, [2]), (B, Hkv, G, T, D)), (B, Hkv·G, T, D))
 #     p     = Softmax(Mul(q, a) @ Mul(Transpose(k_rep, (0, 1, 3, 2)), b) + mask)
+#             (attn_implementation="eager": Softmax(Mul(q @ Transpose(k_rep, ..), a) + mask))
 #     p     = Where(IsNaN(p), 0, p)                       # optional NaN guard
 #     y     = Reshape(Transpose([Reshape](p @ v_rep), (0, 2, 1, 3)), (B, S, H·D))
 #
@@ -493,17 +494,31 @@ class GroupQueryAttentionFusion(_KVCacheRule):
     """GQA decoder attention (head repeat + SDPA + causal/padding mask) →
     ``com.microsoft::GroupQueryAttention``."""
 
+    rule_name = "amp_rewrite.GroupQueryAttention"
+
     def __init__(self, with_past: bool) -> None:
-        super().__init__("amp_rewrite.GroupQueryAttention", with_past)
+        super().__init__(self.rule_name, with_past)
         self._mask_values: dict[ir.Value, tuple[ir.Value, ir.Value, ir.Value]] = {}
+
+    @staticmethod
+    def _scores(op, q, k_rep, a, b):
+        """torchlib's SDPA decomposition: √scale on each side, ``(q·a) @ (kᵀ·b)``."""
+        return op.MatMul(op.Mul(q, a), op.Mul(op.Transpose(k_rep, perm=[0, 1, 3, 2]), b))
+
+    @staticmethod
+    def _scale(a, b) -> float | None:
+        """The product of the matched scale factors when each is a constant scalar."""
+        scales = [_const(a), _const(b)]
+        if any(s is None or s.size != 1 for s in scales):
+            return None
+        return float(np.float64(scales[0].ravel()[0]) * np.float64(scales[1].ravel()[0]))
 
     def pattern(self, op, q, k_new, v_new, past_key, past_value, unsq_k, unsq_v, expand_k,
                 expand_v, shape_k, shape_v, a, b, mask, zero, out_shape):
         k_all, v_all, k_rep, v_rep = _cache_and_repeat_kv(
             op, self.with_past, k_new, v_new, past_key, past_value, unsq_k, unsq_v, expand_k,
             expand_v, shape_k, shape_v)
-        scores = op.MatMul(op.Mul(q, a), op.Mul(op.Transpose(k_rep, perm=[0, 1, 3, 2]), b))
-        probs = op.Softmax(op.Add(scores, mask), axis=-1)
+        probs = op.Softmax(op.Add(self._scores(op, q, k_rep, a, b), mask), axis=-1)
         guarded = op.Where(op.IsNaN(probs), zero, probs)
         attn = op.MatMul(pattern.OrValue([probs, guarded]), v_rep, _outputs=["attn"])
         same = op.Reshape(attn, pattern.ANY_VALUE, _outputs=["same"])
@@ -513,8 +528,8 @@ class GroupQueryAttentionFusion(_KVCacheRule):
             return out, k_all, v_all
         return out
 
-    def check(self, context, q, k_new, v_new, unsq_k, unsq_v, k_rep, v_rep, a, b, mask, attn,
-              out, past_key=None, past_value=None, zero=None, same=None, **kw):
+    def check(self, context, q, k_new, v_new, unsq_k, unsq_v, k_rep, v_rep, a, mask, attn,
+              out, b=None, past_key=None, past_value=None, zero=None, same=None, **kw):
         result = pattern.MatchResult()
         why, where, k_all = self._cache_fail(context, q, k_new, v_new, unsq_k, unsq_v, k_rep,
                                              v_rep, past_key, past_value, kw)
@@ -522,10 +537,9 @@ class GroupQueryAttentionFusion(_KVCacheRule):
             return result.fail(why, where)
         batch, heads, seq, head = q.shape
         kv_heads, total = k_new.shape[1], k_all.shape[2]
-        scales = [_const(a), _const(b)]
-        if any(s is None or s.size != 1 for s in scales):
+        scale = self._scale(a, b)
+        if scale is None:
             return result.fail("the scale is not a constant scalar", a)
-        scale = float(np.float64(scales[0].ravel()[0]) * np.float64(scales[1].ravel()[0]))
         if not scale > 0:
             return result.fail("the scale is not positive", a)
         if zero is not None:
@@ -585,14 +599,36 @@ class GroupQueryAttentionFusion(_KVCacheRule):
         self._mask_values.clear()
 
 
-def _rule_set(cls, with_past: bool):
-    """A rule-set factory for one variant of a cache-aware attention rule (decode step with
+class EagerGroupQueryAttentionFusion(GroupQueryAttentionFusion):
+    """The same attention exported with ``attn_implementation="eager"`` (what several
+    exporters force): transformers' ``eager_attention_forward`` scales after the product,
+    ``(q @ kᵀ)·scale``, where torchlib's SDPA splits √scale over both operands. The rest of
+    the block (cache Concat, ``repeat_kv``, additive mask, softmax, ``@ v``) and so the mask
+    proof and the written GroupQueryAttention are the SDPA rule's."""
+
+    rule_name = "amp_rewrite.GroupQueryAttention.eager"
+
+    @staticmethod
+    def _scores(op, q, k_rep, a, b):
+        del b  # one scale factor: check() reads b as absent
+        return op.Mul(op.MatMul(q, op.Transpose(k_rep, perm=[0, 1, 3, 2])), a)
+
+    @staticmethod
+    def _scale(a, b) -> float | None:
+        scale = _const(a)
+        return None if scale is None or scale.size != 1 else float(scale.ravel()[0])
+
+
+def _rule_set(*classes, with_past: bool):
+    """A rule-set factory for one variant of cache-aware attention rules (decode step with
     ``with_past``, prompt without): the fusion steps make their rules lazily."""
-    return lambda: pattern.RewriteRuleSet([cls.rule(with_past=with_past)])
+    return lambda: pattern.RewriteRuleSet([cls.rule(with_past=with_past) for cls in classes])
 
 
-gqa_decode_rules = _rule_set(GroupQueryAttentionFusion, True)
-gqa_prompt_rules = _rule_set(GroupQueryAttentionFusion, False)
+gqa_decode_rules = _rule_set(GroupQueryAttentionFusion, EagerGroupQueryAttentionFusion,
+                             with_past=True)
+gqa_prompt_rules = _rule_set(GroupQueryAttentionFusion, EagerGroupQueryAttentionFusion,
+                             with_past=False)
 
 
 def has_kv_cache(nodes: list[ir.Node]) -> bool:
@@ -671,8 +707,8 @@ class AttentionKVCacheFusion(_KVCacheRule):
                                          _outputs=3), found)
 
 
-attention23_decode_rules = _rule_set(AttentionKVCacheFusion, True)
-attention23_prompt_rules = _rule_set(AttentionKVCacheFusion, False)
+attention23_decode_rules = _rule_set(AttentionKVCacheFusion, with_past=True)
+attention23_prompt_rules = _rule_set(AttentionKVCacheFusion, with_past=False)
 
 
 def attention_reads_head_repeat(nodes: list[ir.Node]) -> bool:
