@@ -14,7 +14,6 @@ import numpy as np
 import onnx
 import pytest
 
-from amp_rewrite.onnx.fusion import schemas  # noqa: F401 - registers ORT's contrib schemas
 from benchmarks import deployed
 from tests.models import decoders
 
