@@ -1,12 +1,15 @@
 """The one report schema of both adapters, and the one ``explain`` over it.
 
-``Report.to_json()`` gives the documented JSON (README: ``--report`` keys, ``gm.amp_report``):
-the shared keys, then the path's own ``extra`` keys (ONNX ``opset_conversion``, ``low_io``;
-torch ``emulated_gemms``, ``device``, ...). ``Report.why`` maps node names to the reasons
-``explain`` prints; it is not serialised.
+``Report.to_json()`` gives the documented JSON (docs/cli.md: ``--report`` keys,
+``gm.amp_report``): the shared keys, then the path's own keys from ``details``, a dataclass
+each adapter declares (``onnx/passes.OnnxDetails``: ``opset_conversion``, ``low_io``, ...;
+``fx/pipeline.TorchDetails``: ``emulated_gemms``, ``device``, ...), then the pipeline's
+``steps``, ``seconds`` and, with an accuracy budget, its sections. ``Report.why`` maps node
+names to the reasons ``explain`` prints; it is not serialised.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterator, Mapping
@@ -22,7 +25,8 @@ from amp_rewrite.errors import UsageError
 
 @dataclass
 class Report:
-    """What a rewrite decided and did; ``extra`` holds the keys only one path has."""
+    """What a rewrite decided and did; ``details``: the keys only one path has (a dataclass,
+    serialised flat)."""
 
     dtype: str
     nodes: list[dict]
@@ -32,7 +36,12 @@ class Report:
     modified: bool
     padding: dict = field(default_factory=lambda: {"enabled": False})
     fused: dict = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)
+    details: Any = None
+    steps: list[dict] = field(default_factory=list)  # core/pipeline.Record: what each pass did
+    seconds: float | None = None
+    budget: dict | None = None  # the accuracy budget's section (core/budget.py)
+    pinned_by_budget: list[dict] | None = None
+    lowered_by_budget: list[dict] | None = None
     why: Mapping[str, list[str]] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -49,7 +58,19 @@ class Report:
                 "cast_bytes_planned": self.cast_bytes_planned,
                 "precision_counts": self.precision_counts, "nodes_retyped": self.nodes_retyped,
                 "unlisted_ops": self.unlisted_ops, "padding": self.padding, "fused": self.fused,
-                "modified": self.modified, **self.extra}
+                "modified": self.modified, **_flat(self.details), "steps": self.steps,
+                **({} if self.seconds is None else {"seconds": self.seconds}),
+                **({} if self.budget is None else {
+                    "budget": self.budget, "pinned_by_budget": self.pinned_by_budget,
+                    **({} if self.lowered_by_budget is None
+                       else {"lowered_by_budget": self.lowered_by_budget})})}
+
+
+def _flat(details: Any) -> dict:
+    """A details dataclass as JSON keys (its fields, values as they are)."""
+    if details is None:
+        return {}
+    return {f.name: getattr(details, f.name) for f in dataclasses.fields(details)}
 
 
 def node_records(plan: PrecisionPlan, graph: PrecisionGraph) -> list[dict]:

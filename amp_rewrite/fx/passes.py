@@ -302,9 +302,22 @@ class MixedPrecisionPass(PassBase):
             notes.append("the model has no floating-point tensors: returned unchanged")
         if report.unlisted_ops:
             notes.append(f"ops in no rule list, kept fp32: {', '.join(report.unlisted_ops)}")
-        report.extra.update(casts_planned=len(self.plan.casts),
-                            upcasts_by_promotion=applied.upcasts_by_promotion, notes=notes)
+        report.details = TorchDetails(len(self.plan.casts), applied.upcasts_by_promotion, notes)
         return report
+
+
+@dataclass
+class TorchDetails:
+    """The torch path's own report keys (``core/report.Report.details``; docs/python.md);
+    the plan sets the first three, the pipeline the rest (``fx/pipeline.py``)."""
+
+    casts_planned: int
+    upcasts_by_promotion: int
+    notes: list[str]
+    device: str | None = None
+    emulated_gemms: dict | None = None
+    fp8: dict | None = None
+    attention_masks_dropped: int = 0
 
 
 def _budget_pins(view: FxView, pinned: Mapping[str, str]) -> dict:

@@ -92,12 +92,12 @@ def run_pipeline(gm: torch.fx.GraphModule, options: FxOptions,
     if outcome is not None:
         outcome.finish(lowered.amp)
         outcome.held_out(gm, reference)
-        report.extra.update(budget=outcome.report(), pinned_by_budget=outcome.pinned())
+        report.budget, report.pinned_by_budget = outcome.report(), outcome.pinned()
         if budget.emit_rules is not None:
             outcome.write_rules(budget.emit_rules)
     gm.meta[REPORT_KEY] = report
     gm.amp_report = report.to_json()
-    for note in report.extra["notes"]:
+    for note in report.details.notes:
         log.warning("%s", note)
     return gm
 
@@ -252,11 +252,12 @@ def _report(gm: torch.fx.GraphModule, prepared: Prepared, lowered: Lowered,
         report.why.setdefault(name, []).append(line)
     report.why = _for_device(_with_fusions(gm, report.why), device)
     report.padding, report.fused = lowered.pad.section, _fused_summary(gm, pointwise)
-    notes = _true_notes(report.extra.pop("notes"), prepared.convert.notes)
-    report.extra.update(notes=notes, device=device, emulated_gemms=lowered.emulate.section,
-                        fp8=lowered.fp8.section, attention_masks_dropped=prepared.masks.dropped,
-                        steps=prepared.record.as_report(),
-                        seconds=round(time.perf_counter() - prepared.start, 4))
+    details = report.details
+    details.notes = _true_notes(details.notes, prepared.convert.notes)
+    details.device, details.emulated_gemms = device, lowered.emulate.section
+    details.fp8, details.attention_masks_dropped = lowered.fp8.section, prepared.masks.dropped
+    report.steps = prepared.record.as_report()
+    report.seconds = round(time.perf_counter() - prepared.start, 4)
     return report
 
 

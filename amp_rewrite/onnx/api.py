@@ -50,13 +50,12 @@ class RewriteResult:
 
     def _built(self) -> Report:
         if self._report is None:
-            self._report = self.pass_.report()
-            self._report.extra.update(seconds=round(self.seconds, 3),
-                                      opset_conversion=self.opset_conversion)
+            report = self._report = self.pass_.report()
+            report.seconds = round(self.seconds, 3)
+            report.details.opset_conversion = self.opset_conversion
             if self.budget is not None:
-                self._report.extra.update(budget=self.budget,
-                                          pinned_by_budget=self.pinned_by_budget,
-                                          lowered_by_budget=self.lowered_by_budget)
+                report.budget, report.pinned_by_budget = self.budget, self.pinned_by_budget
+                report.lowered_by_budget = self.lowered_by_budget
         return self._report
 
     def proto(self) -> onnx.ModelProto:

@@ -64,6 +64,25 @@ class OnnxOptions:
                    fuse=options.fuse, target=options.target, low_io=options.low_io)
 
 
+@dataclass
+class OnnxDetails:
+    """The ONNX path's own report keys (``core/report.Report.details``; docs/cli.md)."""
+
+    identity_casts_removed: int
+    constants_converted: int
+    constant_bytes_converted: int
+    constant_copies: int
+    values_clamped: int
+    clamped_constants: list
+    constants_kept_fp32: list[str]
+    pinned_by_calibration: list[str]
+    inserted_casts: list
+    opset_advice: str | None
+    low_io: dict
+    fusion_rules: dict[str, int]
+    opset_conversion: str | None = None  # set by the entry point, which converts
+
+
 class MixedPrecisionPass(ir.passes.InPlacePass):
     """Rewrite float32 ops to the low dtype with the exact minimum of casts."""
 
@@ -196,17 +215,13 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
             s.casts_inserted, self.plan.cast_units, s.nodes_retyped, self.modified,
             padding=pad_report(self.pad_stats) if self.options.pad else {"enabled": False},
             fused=dict(self.fusion.fused) if self.fusion else {},
-            extra={"identity_casts_removed": s.identity_casts_removed,
-                   "constants_converted": s.constants_converted,
-                   "constant_bytes_converted": s.constant_bytes_converted,
-                   "constant_copies": s.constant_copies, "values_clamped": s.values_clamped,
-                   "clamped_constants": s.clamped_constants,
-                   "constants_kept_fp32": sorted(self.view.wide_values.values()),
-                   "pinned_by_calibration": sorted(self.options.pinned_values),
-                   "inserted_casts": s.inserted_casts, "opset_advice": self.opset_advice(),
-                   "low_io": self.low_io,
-                   "fusion_rules": dict(self.fusion.rule_hits) if self.fusion else {},
-                   "steps": self.record.as_report()},
+            details=OnnxDetails(
+                s.identity_casts_removed, s.constants_converted, s.constant_bytes_converted,
+                s.constant_copies, s.values_clamped, s.clamped_constants,
+                sorted(self.view.wide_values.values()), sorted(self.options.pinned_values),
+                s.inserted_casts, self.opset_advice(), self.low_io,
+                dict(self.fusion.rule_hits) if self.fusion else {}),
+            steps=self.record.as_report(),
             why=Reasons(self.plan, self.view.graph, self._fused_by))
 
     def opset_advice(self) -> str | None:
