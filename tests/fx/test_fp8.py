@@ -1,4 +1,4 @@
-"""FP8 GEMMs (``core/fp8.py``, ``fx/fp8.py``, issue 29).
+"""FP8 GEMMs (``core/fp8.py``, ``fx/fp8.py``; decision 0029).
 
 Oracles: hand-derived roofline times; fp32 matmuls of the dequantized operands; the FP32
 module's outputs and gradients; the bf16 rewrite (graph and training losses); the original
