@@ -38,12 +38,11 @@ from torch.fx import Node
 from amp_rewrite import arguments
 from amp_rewrite.core import Precision
 from amp_rewrite.core import budget as core_budget
-from amp_rewrite.core.flops import op_flops
 from amp_rewrite.core.metric import worst_relative_error
-from amp_rewrite.errors import UsageError
+from amp_rewrite.errors import UsageError, first_line
 from amp_rewrite.fx.capture import flat_inputs, normalize_inputs
+from amp_rewrite.fx.flops import node_flops
 from amp_rewrite.fx.lowering import LOWERED_TAG
-from amp_rewrite.fx.opkeys import size_hint, tensor_val
 from amp_rewrite.fx.view import CAST_TAG
 
 log = logging.getLogger(__name__)
@@ -65,30 +64,28 @@ class BudgetRequest:
     emit_rules: str | os.PathLike | None = None
 
 
-def request(max_error: object, *, calibration_data: object, max_evaluations: object,
-            emit_rules: object, example_inputs: Any = None,
-            example_kwargs: Mapping[str, Any] | None = None) -> BudgetRequest | None:
-    """The checked request (None without ``max_error``). Batches: the first half of
-    ``calibration_data`` searched, the rest held out; one batch: ``example_inputs``
-    searched and the batch held out; no batch, or one without examples: nothing held out."""
-    arguments.max_evaluations(max_evaluations)
+def request(max_error: float | None, *, calibration_data: list[tuple] | None,
+            max_evaluations: int, emit_rules: str | os.PathLike | None,
+            example_inputs: Any = None, example_kwargs: Mapping[str, Any] | None = None
+            ) -> BudgetRequest | None:
+    """The request (None without ``max_error``), from options ``TorchOptions`` checked one
+    by one. Batches: the first half of ``calibration_data`` searched, the rest held out;
+    one batch: ``example_inputs`` searched and the batch held out; no batch, or one without
+    examples: nothing held out."""
     if max_error is None:
         for name, value in (("calibration_data", calibration_data), ("emit_rules", emit_rules)):
             if value is not None:
                 raise arguments.ArgumentError(f"{name}= needs max_error=: it feeds the "
                                               "accuracy-budget search")
         return None
-    budget = arguments.max_error(max_error)
-    emit = arguments.file_path(emit_rules, name="emit_rules")
-    data = None if calibration_data is None else arguments.batches(calibration_data)
     examples = None
     kwargs: dict = {}
     if example_inputs is not None and (not isinstance(example_inputs, Sequence)
                                        or len(example_inputs)):
         examples, kwargs = normalize_inputs(example_inputs, example_kwargs)
-    search, held, inputs, held_inputs = _split(data, examples)
-    return BudgetRequest(budget, max_evaluations, search, held, inputs, held_inputs, kwargs,
-                         emit)
+    search, held, inputs, held_inputs = _split(calibration_data, examples)
+    return BudgetRequest(max_error, max_evaluations, search, held, inputs, held_inputs, kwargs,
+                         emit_rules)
 
 
 def _split(data: list[tuple] | None, examples: tuple | None
@@ -158,9 +155,8 @@ class References:
         except UsageError:
             raise
         except Exception as e:  # noqa: BLE001 - the batches do not fit the captured graph
-            raise UsageError(f"max_error=: the FP32 graph cannot run a batch of "
-                             f"calibration_data: {str(e).splitlines()[0] if str(e) else e!r}"
-                             ) from e
+            raise UsageError("max_error=: the FP32 graph cannot run a batch of "
+                             f"calibration_data: {first_line(e)}") from e
 
     def error(self, gm: torch.nn.Module, batches: list[tuple], kwargs: dict,
               held: bool = False) -> float:
@@ -196,26 +192,6 @@ class _Recorder(torch.fx.Interpreter):
 
 
 # ----------------------------------------------------------------------------- units
-
-
-def node_flops(node: Node, op_key: str) -> float:
-    """FLOPs of one node (``core.flops.op_flops``) from ``meta['val']`` shapes."""
-    out = _first_tensor(node.meta.get("val"))
-    if out is None:
-        return 0.0
-    op = op_key.rsplit(".", 1)[-1].removeprefix("aten::")
-    transposed = op == "convolution" and len(node.args) > 6 and node.args[6] is True
-    return op_flops(op, [_shape(tensor_val(a)) for a in node.args], [_shape(out)],
-                    transposed=transposed)
-
-
-def _shape(t: torch.Tensor | None) -> tuple[int, ...] | None:
-    return None if t is None else tuple(size_hint(d) for d in t.shape)
-
-
-def _first_tensor(val: Any) -> torch.Tensor | None:
-    return next((t for t in torch.utils._pytree.tree_leaves(val) if isinstance(t, torch.Tensor)),
-                None)
 
 
 def _node_groups(amp) -> list:
@@ -257,6 +233,7 @@ class FxBudget:
         self.amp = lower(self.default, {})
         self.low_max = float(torch.finfo(self.amp.view.low).max)
         self.nodes = {n.name: n for n in prepared.graph.nodes}
+        self.weights = node_weights(self.amp, prepared)
         self.unit_names: list[str] = []
         self.graph_outputs = frozenset(a.name for n in prepared.graph.nodes if n.op == "output"
                                        for a in n.all_input_nodes)
@@ -264,13 +241,10 @@ class FxBudget:
     def units(self) -> list[core_budget.Unit]:
         """The nodes the default plan runs low by the rules' choice, FLOPs as weight; no
         peaks: the magnitude candidate moved torch's plans both ways (decision 0028)."""
-        low: dict[str, str] = {}
-        for g in _node_groups(self.amp):
-            if g.fixed is None and self.amp.plan.precision(g.key) is Precision.LOW:
-                low.setdefault(g.name, g.op_key)
-        self.unit_names = [name for name in sorted(low) if name in self.nodes]
-        return [core_budget.Unit(name, node_flops(self.nodes[name], low[name]))
-                for name in self.unit_names]
+        low = {g.name for g in _node_groups(self.amp)
+               if g.fixed is None and self.amp.plan.precision(g.key) is Precision.LOW}
+        self.unit_names = sorted(low & self.weights.keys())
+        return [core_budget.Unit(name, self.weights[name]) for name in self.unit_names]
 
     def relax_units(self) -> list[core_budget.Unit]:
         return []  # no calibration threshold pins on this path
@@ -283,7 +257,7 @@ class FxBudget:
         if not pins:
             return self.default
         gm = shared_copy(self.prepared)
-        self.lower(gm, _reasons(pins, self.req.max_error))
+        self.lower(gm, dict.fromkeys(pins, f"{BUDGET_REASON} max_error={self.req.max_error:g}"))
         return gm
 
     def measure(self, gm: torch.fx.GraphModule, held_out: bool = False) -> float | None:
@@ -350,12 +324,11 @@ def search_budget(prepared: torch.fx.GraphModule, lower: Lower, req: BudgetReque
             adapter, req.max_error, option, max_evaluations=req.max_evaluations,
             progress=progress)
     default_held = adapter.measure(adapter.default, held_out=True)
-    weights = node_weights(adapter.amp, prepared)
-    default_share = low_flop_share(adapter.amp, weights)
+    default_share = low_flop_share(adapter.amp, adapter.weights)
     # the final plan's share and held-out error come with the final rewrite (``finish``)
     return BudgetOutcome(result, units, option, req.inputs, req.held_out_inputs, MEASURED_BY,
                          relaxed, None, default_held, (default_share, default_share),
-                         time.perf_counter() - start, request=req, weights=weights)
+                         time.perf_counter() - start, request=req, weights=adapter.weights)
 
 
 @contextlib.contextmanager
@@ -372,6 +345,3 @@ def _progress_bar(total: int) -> Iterator[Callable[[int, float], None]]:
 
         yield progress
 
-
-def _reasons(pins: frozenset, budget: float) -> dict[str, str]:
-    return {k: f"{BUDGET_REASON} max_error={budget:g}" for k in pins}

@@ -1,19 +1,14 @@
 """The accuracy budget on the ONNX path: plans measured under per-op rounding.
 
-One instrumented copy of the fused FP32 model serves every evaluation. Each port group of the
-main graph (and each graph input and output the plan may make low) gets a boolean graph
-input, its flag; every float input and output of the group goes through
-``Where(flag, Cast(Cast(x, low), float), x)``. With a plan's labels as the flags, the copy
-computes each op in float32 on inputs rounded to the low dtype and rounds its outputs once:
-what a GPU kernel with fp32 accumulation does (tested against ``onnx.reference``). Casts need
-no emulation: a value read in the other dtype is the rounded value. Flags all off give the
-FP32 reference. A plan costs one min cut and one session run, not a rewrite.
+Every plan is measured on one instrumented copy of the fused FP32 model (``emulation.py``:
+each main-graph op in float32 on inputs rounded to the low dtype, its outputs rounded once;
+subgraph bodies in FP32): one min cut and one session run per plan, not a rewrite.
 
 The search, its estimate, the relaxation of calibration pins and the outcome are
 ``core.budget``'s (decision 0035); this module is its ``BudgetAdapter``: units are main-graph
 nodes the default plan runs low whose precision the rules decide (the adapter's fixes
 stay), weighted by FLOPs from the shapes of one FP32 run; relaxation candidates are the
-nodes the calibration threshold pinned. Subgraph bodies run in FP32 in the emulation.
+nodes the calibration threshold pinned.
 """
 from __future__ import annotations
 
@@ -26,17 +21,14 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from amp_rewrite import arguments
-from amp_rewrite.core import LowDtype, Precision
+from amp_rewrite.core import Precision
 from amp_rewrite.core import budget as core_budget
 from amp_rewrite.core.flops import op_flops
-from amp_rewrite.core.metric import worst_relative_error
 from amp_rewrite.onnx import validate
+from amp_rewrite.onnx.emulation import Emulator
 
 logger = logging.getLogger(__name__)
 
-_FLAG_PREFIX = "amp_rewrite.budget_flag."
-_LOW_ONNX = {LowDtype.FLOAT16: ir.DataType.FLOAT16, LowDtype.BFLOAT16: ir.DataType.BFLOAT16}
 MEASURED_BY = "onnxruntime float32 kernels, every low input and output rounded"
 _PINNED = "pinned fp32 by the accuracy budget"
 _LOWERED = "run low by the accuracy budget"
@@ -49,155 +41,6 @@ class BudgetOutcome(core_budget.BudgetOutcome):
 
     fp32: onnx.ModelProto | None = None
     held_feeds: dict | None = None
-
-
-class Emulator:
-    """The instrumented model of a prepared pass (module docstring) and its session."""
-
-    def __init__(self, pass_, model: ir.Model) -> None:
-        self.pass_ = pass_
-        self.view = pass_.view
-        self.low = _LOW_ONNX[self.view.low]
-        self.flags: dict = {}  # group key -> flag input name
-        self.visible: dict[str, str] = {}  # value name -> the name its readers see
-        self.outputs = [v.name for v in model.graph.outputs]
-        # before instrumenting: the names the model gives each node's inputs and outputs
-        self.node_io = {node.name: ([v.name if v is not None else "" for v in node.inputs],
-                                    [v.name for v in node.outputs], node.op_type)
-                        for node, _ in self.view.groups.values()}
-        self._instrument(model)
-        self.session = _session(ir.to_proto(model))
-        self.fetchable = [o.name for o in self.session.get_outputs()]
-
-    def _instrument(self, model: ir.Model) -> None:
-        graph = model.graph
-        rounded: dict[ir.Value, ir.Value] = {}
-        flags: dict = {}
-        self._instrument_inputs(graph, rounded)
-        # outputs first: readers of a rounded output then see the Where, not the raw value
-        for key, (node, pg) in self.view.groups.items():
-            if node.graph is not graph:
-                continue
-            flags[key] = flag = self._flag(graph, key)
-            for j in pg.outputs:
-                out = node.outputs[j]
-                if out.dtype == ir.DataType.FLOAT and out.name not in self.visible:
-                    self._round_output(graph, node, out, flag, rounded)
-        for key, (node, pg) in self.view.groups.items():
-            flag = flags.get(key)
-            if flag is None:
-                continue
-            for i in pg.inputs:
-                v = node.inputs[i]
-                if v is None or v.dtype != ir.DataType.FLOAT:
-                    continue
-                chosen = self._where(graph, flag, self._rounded(graph, v, rounded), v,
-                                     f"{v.name}.read{i}.{node.name}")
-                node.replace_input_with(i, chosen)
-        self._instrument_outputs(graph, rounded)
-        graph.sort()
-        existing = set(self.outputs)
-        for node in list(graph):
-            for v in node.outputs:
-                if v.dtype == ir.DataType.FLOAT and v.name and v.name not in existing:
-                    graph.outputs.append(v)
-                    existing.add(v.name)
-
-    def _instrument_inputs(self, graph, rounded) -> None:
-        """Graph inputs the plan may make low (``keep_io_types=False``, ``low_io``): a flag
-        each, the input rounded for every reader (before any reader is instrumented)."""
-        inputs = set(graph.inputs)
-        for key, (g, v, node) in self.view.sources.items():
-            if g is not graph or node is not None or v.dtype != ir.DataType.FLOAT \
-                    or v not in inputs:
-                continue
-            flag = self._flag(graph, key)
-            uses = list(v.uses())
-            chosen = self._where(graph, flag, self._rounded(graph, v, rounded), v,
-                                 f"{v.name}.input_rounded")
-            for use in uses:
-                use.node.replace_input_with(use.idx, chosen)
-
-    def _instrument_outputs(self, graph, rounded) -> None:
-        """Graph outputs the plan may make low: a flag each, the output rounded."""
-        for key, (g, index) in self.view.sinks.items():
-            out = g.outputs[index]
-            if g is not graph or out.dtype != ir.DataType.FLOAT:
-                continue
-            flag = self._flag(graph, key)
-            chosen = self._where(graph, flag, self._rounded(graph, out, rounded), out,
-                                 f"{out.name}.output_rounded")
-            name = out.name
-            out.name, chosen.name = f"{name}.unrounded_output", name
-            graph.outputs[index] = chosen
-            self.visible[name] = name
-
-    def _flag(self, graph, key) -> ir.Value:
-        flag = ir.Value(name=f"{_FLAG_PREFIX}{len(self.flags)}",
-                        type=ir.TensorType(ir.DataType.BOOL), shape=ir.Shape([]))
-        graph.inputs.append(flag)
-        self.flags[key] = flag.name
-        return flag
-
-    def _round_output(self, graph, node, out: ir.Value, flag, rounded) -> None:
-        uses = list(out.uses())
-        was_output = out.is_graph_output()
-        chosen = self._where(graph, flag, self._rounded(graph, out, rounded), out,
-                             f"{out.name}.rounded")
-        for use in uses:
-            use.node.replace_input_with(use.idx, chosen)
-        if was_output:
-            index = next(k for k, v in enumerate(graph.outputs) if v is out)
-            name = out.name
-            out.name, chosen.name = f"{name}.unrounded", name
-            graph.outputs[index] = chosen
-            self.visible[name] = name
-        else:
-            self.visible[out.name] = chosen.name
-
-    def _rounded(self, graph, v: ir.Value, rounded: dict) -> ir.Value:
-        if v not in rounded:
-            down = ir.node("Cast", [v], {"to": self.low})
-            up = ir.node("Cast", [down.outputs[0]], {"to": ir.DataType.FLOAT})
-            n = len(rounded)  # unique: a renamed graph output may reuse a value's name
-            down.outputs[0].name = f"{v.name}.low{n}"
-            up.outputs[0].name = f"{v.name}.round{n}"
-            up.outputs[0].dtype = ir.DataType.FLOAT
-            graph.extend([down, up])
-            rounded[v] = up.outputs[0]
-        return rounded[v]
-
-    def _where(self, graph, flag, a, b, name: str) -> ir.Value:
-        node = ir.node("Where", [flag, a, b])
-        node.outputs[0].name = name
-        node.outputs[0].dtype = ir.DataType.FLOAT
-        graph.append(node)
-        return node.outputs[0]
-
-    def run(self, feeds: Mapping[str, np.ndarray], plan, fetch: list[str] | None = None
-            ) -> list[np.ndarray]:
-        """Outputs (or ``fetch``) under ``plan`` (None: all FP32)."""
-        flags = {name: np.array(plan is not None and plan.precision(k) is Precision.LOW)
-                 for k, name in self.flags.items()}
-        return self.session.run(fetch or self.outputs, {**feeds, **flags})
-
-    def error(self, feeds, reference: list[np.ndarray], plan) -> float:
-        """The metric (``core.metric``) of the outputs under ``plan`` against ``reference``."""
-        return worst_relative_error(reference, self.run(feeds, plan))
-
-
-def _session(proto: onnx.ModelProto):
-    import onnxruntime as ort
-
-    from amp_rewrite.onnx.versions import loadable
-
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 4
-    # no graph optimisation: it may fold a float -> low -> float Cast pair, the rounding itself
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    return ort.InferenceSession(loadable(proto).SerializeToString(), opts,
-                                providers=["CPUExecutionProvider"])
-
 
 
 def node_flops(op_type: str, inputs: list, outputs: list) -> float:
@@ -246,9 +89,8 @@ def search_budget(pass_, model: ir.Model, max_error: float, search_feeds: dict,
                   inputs: str = "", held_out_inputs: str = "",
                   progress: Callable[[int, float], None] | None = None) -> BudgetOutcome:
     """Search the pins of ``pass_`` (an OnnxOptions pass not yet run) on ``model`` (an FP32
-    copy it may fuse and instrument) for ``max_error`` (``core.budget``)."""
-    max_error = arguments.max_error(max_error)
-    arguments.max_evaluations(max_evaluations)
+    copy it may fuse and instrument) for ``max_error`` (``core.budget``; both numbers checked
+    by ``RewriteOptions``)."""
     start = time.perf_counter()
     adapter = OnnxBudget(pass_, model, search_feeds, held_feeds)
     option = f"--max-error {max_error:g}"
