@@ -159,13 +159,16 @@ def _search_budget(loaded: LoadedModel, options: OnnxOptions, rules, max_error: 
 def _held_out_on_runtime(result: RewriteResult, outcome) -> dict:
     """The rewritten model's error on the held-out inputs in onnxruntime (fp16: its CPU
     provider runs fp16 models; bf16 has no CPU kernels here, so only the emulation counts)."""
+    from amp_rewrite.core.metric import Difference
     from amp_rewrite.onnx import validate
 
     if result.pass_.options.dtype is not LowDtype.FLOAT16 or result.needs_external_data:
         return {"held_out_onnxruntime": None}
     errors, _ = validate.validate(outcome.fp32, result.proto(), LowDtype.FLOAT16,
                                   feeds=outcome.held_feeds)
-    worst = max((float("inf") if e.new_nonfinite else e.max_rel for e in errors), default=0.0)
+    # each output's metric as core/metric.py defines it (infinite with a new NaN/Inf)
+    worst = max((Difference(e.max_abs, e.max_rel, e.new_nonfinite).error for e in errors),
+                default=0.0)
     return {"held_out_onnxruntime": "inf" if worst == float("inf") else float(f"{worst:.4g}")}
 
 
