@@ -32,6 +32,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 import amp_rewrite
+from amp_rewrite.core.metric import relative_error
 
 CUDA_TOLERANCE = 2e-2  # fp16 on one op: ~20 ulp of relative error
 _LOW_LISTS = ("torch_fp16", "torch_16", "nn_fp16", "nn_16", "linalg_fp16", "methods_fp16")
@@ -122,17 +123,14 @@ def _first_float(out: Any) -> torch.Tensor | None:
 
 
 def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """Over the elements fp32 computes finitely (pow and rsqrt of negatives give NaN in
-    every precision); inf when the output is not finite where fp32 is."""
-    if out.dtype == torch.bool:
-        return float((out != ref).any())
-    out, ref = out.double(), ref.double()
-    finite = torch.isfinite(ref)
-    if not torch.isfinite(out[finite]).all():
-        return float("inf")
-    if not finite.any():
-        return 0.0
-    return ((out - ref)[finite].abs().max() / ref[finite].abs().max().clamp_min(1e-12)).item()
+    """The product's metric (``amp_rewrite.core.metric``): over the elements fp32 computes
+    finitely (pow and rsqrt of negatives give NaN in every precision); inf when the output
+    is not finite where fp32 is, or a bool output differs at all."""
+    return relative_error(_array(ref), _array(out))
+
+
+def _array(t: torch.Tensor):
+    return (t.double() if t.is_floating_point() else t).detach().cpu().numpy()
 
 
 def _fp32(args: tuple) -> tuple:

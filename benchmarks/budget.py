@@ -18,7 +18,8 @@ API splits into search and held-out halves; the baselines are measured on the sa
 The baselines' errors use true rounding (``onnx.reference``) where the model is small enough
 and onnxruntime (fp16) otherwise. One share function (``low_flop_share``) serves every output
 model: per main-graph node (Casts and constants aside), FLOPs from concrete shapes
-(``onnx.budget.node_flops``), low when the node's float outputs (else inputs) are fp16/bf16.
+(``core.flops.op_flops``, as the budget counts), low when the node's float outputs (else
+inputs) are fp16/bf16.
 
     python -m benchmarks budget [--models ...] [--dtypes fp16,bf16]
         [--budgets 1e-2,1e-3] [--json FILE] [--quick]
@@ -76,9 +77,9 @@ def low_flop_share(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]
                    ) -> tuple[float, float, float]:
     """(share, low FLOPs, all FLOPs) of ``model`` run on ``feeds``: main-graph nodes with a
     float input or output (Cast, CastLike and Constant aside), each weighted by
-    ``node_flops`` on concrete shapes; low when its float outputs are fp16/bf16 (a node
-    without float outputs: its float inputs)."""
-    from amp_rewrite.onnx.budget import node_flops
+    ``core.flops.op_flops`` on concrete shapes; low when its float outputs are fp16/bf16
+    (a node without float outputs: its float inputs)."""
+    from amp_rewrite.core.flops import op_flops
 
     shapes = concrete_shapes(model, feeds)
     dtypes = value_dtypes(model)
@@ -92,8 +93,8 @@ def low_flop_share(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]
         decided = float_outs or [t for t in ins if t in _FLOAT]
         if not decided:
             continue
-        flops = node_flops(node.op_type, [shapes.get(i) if i else None for i in node.input],
-                           [shapes.get(o) for o in node.output])
+        flops = op_flops(node.op_type, [shapes.get(i) if i else None for i in node.input],
+                         [shapes.get(o) for o in node.output])
         total += flops
         if all(t in _LOW for t in decided):
             low += flops
@@ -298,10 +299,11 @@ def param_count(model: onnx.ModelProto) -> int:
 
 
 def _worst(reference: Mapping[str, np.ndarray], got: Mapping[str, np.ndarray]) -> float:
-    from amp_rewrite.onnx import validate
+    """The product's metric (``core.metric``), outputs matched by position as ``--validate``
+    matches them."""
+    from amp_rewrite.core.metric import worst_relative_error
 
-    errors = validate.compare(reference, dict(zip(reference, got.values())))
-    return max((math.inf if e.new_nonfinite else e.max_rel for e in errors), default=0.0)
+    return worst_relative_error(list(reference.values()), list(got.values()))
 
 
 class Measure:

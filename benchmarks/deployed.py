@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from amp_rewrite.core.metric import worst_relative_error
 from tests.models import decoders
 
 logger = logging.getLogger(__name__)
@@ -43,14 +44,9 @@ _ITEMSIZE = {onnx.TensorProto.FLOAT: 4, onnx.TensorProto.FLOAT16: 2,
 
 
 def relative_error(got: list[np.ndarray], ref: list[np.ndarray]) -> float:
-    """max over outputs of max |got - ref| / max |ref| (inf on NaN/Inf or a shape change)."""
-    worst = 0.0
-    for g, r in zip(got, ref, strict=True):
-        g = np.asarray(g, dtype=np.float32)
-        if g.shape != r.shape or not np.isfinite(g).all():
-            return float("inf")
-        worst = max(worst, float(np.abs(g - r).max() / max(float(np.abs(r).max()), 1e-12)))
-    return worst
+    """The product's metric (``amp_rewrite.core.metric``, what ``--validate`` and
+    ``--max-error`` measure) of the outputs ``got`` against ``ref``, in order."""
+    return worst_relative_error(ref, got)
 
 
 def node_dtypes(model: onnx.ModelProto) -> list[tuple[onnx.NodeProto, list[int]]]:
