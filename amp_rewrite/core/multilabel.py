@@ -108,7 +108,7 @@ def allowed_labels(fix: constraints.Fix | None = None, *, needs_range: bool = Fa
     if fix is not None:  # LOW
         if needs_range:
             return Allowed(frozenset({Label.BF16}), Why.RANGE,
-                           f"{fix.reason}; {range_reason or 'beyond fp16 range'}: bf16", cause)
+                           f"{fix.reason}; {range_reason or 'beyond fp16 range'}", cause)
         return Allowed(frozenset({Label.FP16}), Why.RULE, fix.reason, cause)
     if needs_range:
         return Allowed(frozenset({Label.BF16, Label.FP32}), Why.RANGE,
@@ -547,11 +547,6 @@ def _answer(terms, traffic, labels, lower: int, optimal: bool) -> _RegionAnswer:
     value = primary_cost(terms, traffic, labels)
     return _RegionAnswer(labels, value, value if optimal else min(lower, value), optimal,
                          "cp-sat")
-
-
-def _unsolved(terms, traffic, hint, lower: int) -> _RegionAnswer:
-    """No solution within the time limit: every group's preferred label, not optimal."""
-    return _RegionAnswer(hint, primary_cost(terms, traffic, hint), lower, False, "cp-sat")
 
 
 # -- casts, reasons, the plan ------------------------------------------------------------------
