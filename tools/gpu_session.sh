@@ -86,7 +86,7 @@ elif [ "$MODE" = all ]; then
 section "smoke" 60 $TRAIN --tiny --models gpt2 --variants autocast backend --compile on \
     --dtype bf16 --steps 2 --warmup 1 --json "$OUT/smoke.json"
 # issue 27: the backend vs compiled autocast, every variant in its own process (the order of
-# variants in one process decided the 2026-11-28 comparison; benchmarks §7c)
+# variants in one process decided the 2026-11-28 comparison; benchmarks §3.2)
 section "backend bf16" 300 $TRAIN --models llama gpt2 bert resnet50 --compile on --dtype bf16 \
     --variants backend autocast --steps 20 --warmup 5 --json "$OUT/backend_bf16.json"
 section "backend fp16" 220 $TRAIN --models llama gpt2 bert resnet50 --compile on --dtype fp16 \
