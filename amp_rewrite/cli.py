@@ -203,6 +203,8 @@ def _list_rules(args) -> int:
         print(f"{entry.op_class.value:6} {entry.op:40} {entry.reason}  [{entry.source}]")
     for entry in rules.bounded_entries():
         print(f"{'bounded':6} {entry.op:40} {entry.reason}  [{entry.source}]")
+    for entry in rules.range_entries():  # bf16 in a mixed plan
+        print(f"{'range':6} {entry.op:40} {entry.reason}  [{entry.source}]")
     return 0
 
 

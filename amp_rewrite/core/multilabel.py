@@ -37,7 +37,8 @@ from typing import NamedTuple
 
 from amp_rewrite.core import constraints, maxflow, placement
 from amp_rewrite.core.graph import PrecisionGraph
-from amp_rewrite.core.precision import Precision
+from amp_rewrite.core.plan import CastPlan, Decision, PrecisionPlan
+from amp_rewrite.core.precision import Label, OpClass, Precision
 from amp_rewrite.core.rules import RuleSet
 
 CAST_WEIGHT = placement.CAST_WEIGHT
@@ -47,16 +48,6 @@ MIN_SOLVE_SECONDS = 0.1  # a region reached after the deadline still gets this l
 # region stayed unproven after 60 s, at level 2 it took 4.4 s (decision 0037).
 LINEARIZATION = 2
 _INT64_SAFE = 1 << 62  # objective sums below this are safe for CP-SAT's int64 arithmetic
-
-
-class Label(enum.Enum):
-    """The dtype a group runs in."""
-
-    FP32 = "float32"
-    FP16 = "float16"
-    BF16 = "bfloat16"
-
-    __hash__ = object.__hash__  # identity hash, as core/precision.Precision (hot loops)
 
 
 PREFERENCE = (Label.FP16, Label.BF16, Label.FP32)  # most preferred first
@@ -139,6 +130,11 @@ def label_sets(graph: PrecisionGraph, rules: RuleSet, *,
     """
     adapter_dtypes = adapter_dtypes or {}
     classes = constraints.classify_groups(graph, rules)
+    # ops the rules' [range] table names run bf16 whatever their class: as allow ops that
+    # need range, so they start no deny propagation (core/rules.py)
+    by_rule = {g.key: rules.range_entry(g.op_key) for g in graph.groups()
+               if g.fixed is None and rules.needs_range(g.op_key)}
+    classes.update({k: OpClass.ALLOW for k in by_rule})
     fixes = constraints.rule_fixes(graph, rules, classes, keep_fp32)
     fixes.update({k: constraints.Fix(Precision.HIGH, why) for k, why in (pins or {}).items()})
     low = {**constraints.low_pattern_pins(graph, rules), **(low_pins or {})}
@@ -147,6 +143,10 @@ def label_sets(graph: PrecisionGraph, rules: RuleSet, *,
     if wide_values:
         fixes.update(constraints.range_fixes(graph, classes, wide_values))
     needs = constraints.range_fixes(graph, classes, fp16_wide_values) if fp16_wide_values else {}
+    for key, entry in by_rule.items():
+        if fixes.get(key) is not None and fixes[key].reason.startswith("allow"):
+            why = f"range: {entry.reason} [{entry.source}]"
+            fixes[key] = needs[key] = constraints.Fix(Precision.LOW, why)
     # A group that needs range blocks deny propagation as its range fix does in two labels.
     propagated = constraints.deny_propagation(graph, classes, {**needs, **fixes},
                                               constraints.bounded_groups(graph, rules))
@@ -692,3 +692,51 @@ def _fp16_or_bf16_cut(graph: PrecisionGraph, labels: Mapping[Hashable, Label],
                     net.add(r, b, inf)
     bf16_side = maxflow.sink_side(net, source, sink)
     return {k: Label.BF16 if bf16_side[i] else Label.FP16 for k, i in index.items()}
+
+
+# -- the mixed plan the adapters apply -------------------------------------------------------
+
+def plan_mixed(graph: PrecisionGraph, rules: RuleSet, *,
+               admissible: Mapping[Hashable, frozenset[Label]] | None = None,
+               adapter_dtypes: Mapping[Hashable, Label] | None = None, keep_fp32=(),
+               pins: Mapping[Hashable, str] | None = None,
+               low_pins: Mapping[Hashable, str] | None = None,
+               fp16_wide_values: Mapping[Hashable, str] | None = None,
+               wide_values: Mapping[Hashable, str] | None = None, savings_weight: float = 0.0,
+               free: placement.FreeReads = frozenset(), time_limit_s: float = 10.0
+               ) -> PrecisionPlan:
+    """The three-label plan as a ``PrecisionPlan`` the adapters apply: fp16 and bf16 groups
+    are LOW with their ``label``, casts carry the dtype they convert to, ``solver`` the
+    status and gap. ``admissible``: per group the labels its kernel or schema takes (missing:
+    all); the rest as ``label_sets``."""
+    sets = label_sets(graph, rules, adapter_dtypes=adapter_dtypes, keep_fp32=keep_fp32,
+                      pins=pins, low_pins=low_pins, fp16_wide_values=fp16_wide_values,
+                      wide_values=wide_values)
+    if admissible:
+        sets = {k: _admitted(a, admissible.get(k)) for k, a in sets.items()}
+    plan = plan_labels(graph, sets, savings_weight=savings_weight, free=free,
+                       time_limit_s=time_limit_s)
+    classes = constraints.classify_groups(graph, rules)
+    decisions = {k: Decision(Precision.HIGH if d.label is Label.FP32 else Precision.LOW,
+                             classes[k], d.reason, len(sets[k].labels) == 1, d.cause, d.label)
+                 for k, d in plan.decisions.items()}
+    casts = tuple(CastPlan(c.value, Precision.HIGH if c.to is Label.FP32 else Precision.LOW,
+                           c.consumers, c.to) for c in plan.casts)
+    solver = {"status": plan.status, "gap": round(plan.gap, 6),
+              "seconds": round(plan.seconds, 4), "solved_by": dict(plan.solved_by),
+              "counts": {label.value: n for label, n in plan.counts.items()}}
+    return PrecisionPlan(MappingProxyType(decisions), casts, plan.cast_bytes,
+                         MappingProxyType(solver))
+
+
+def _admitted(allowed: Allowed, admits: frozenset[Label] | None) -> Allowed:
+    """``allowed`` within what the group's kernel or schema takes; fp32 where nothing else is
+    left (every op runs fp32)."""
+    if admits is None or allowed.labels <= admits:
+        return allowed
+    kept = allowed.labels & admits
+    if kept:
+        return allowed._replace(labels=frozenset(kept))
+    names = "/".join(sorted(label.value for label in allowed.labels))
+    return Allowed(frozenset({Label.FP32}), Why.RULE,
+                   f"its kernel takes no {names} here: runs fp32", allowed.cause)

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 from amp_rewrite.core import constraints, placement
 from amp_rewrite.core.graph import PrecisionGraph
-from amp_rewrite.core.precision import OpClass, Precision
+from amp_rewrite.core.precision import Label, OpClass, Precision
 from amp_rewrite.core.rules import RuleSet
 
 
@@ -29,6 +29,7 @@ class Decision(NamedTuple):  # a NamedTuple for speed, as graph.GroupInfo
     reason: str
     fixed: bool
     cause: Hashable | None = None  # the group whose decision forced this one
+    label: Label | None = None  # mixed plans: the dtype (fp16/bf16 both LOW); else None
 
 
 class CastPlan(NamedTuple):
@@ -37,6 +38,7 @@ class CastPlan(NamedTuple):
     value: Hashable
     to: Precision
     consumers: tuple[Hashable, ...]
+    label: Label | None = None  # mixed plans: the dtype cast to (fp16↔bf16 casts are LOW)
 
 
 @dataclass(frozen=True)
@@ -44,9 +46,24 @@ class PrecisionPlan:
     decisions: Mapping[Hashable, Decision]
     casts: tuple[CastPlan, ...]
     cast_units: int  # Σ bytes of cast values (unknown sizes count one)
+    # mixed plans: the solver's status, gap and seconds (core/multilabel.py); else None
+    solver: Mapping | None = None
 
     def precision(self, group: Hashable) -> Precision:
         return self.decisions[group].precision
+
+    def label(self, group: Hashable, low: Label) -> Label:
+        """The dtype ``group`` runs in; ``low``: the plan's low dtype where it has one."""
+        d = self.decisions[group]
+        if d.label is not None:
+            return d.label
+        return low if d.precision is Precision.LOW else Label.FP32
+
+    def cast_label(self, cast: CastPlan, low: Label) -> Label:
+        """The dtype ``cast`` converts to (``low`` as in ``label``)."""
+        if cast.label is not None:
+            return cast.label
+        return low if cast.to is Precision.LOW else Label.FP32
 
 
 def plan_precision(graph: PrecisionGraph, rules: RuleSet, *, keep_fp32: Iterable[str] = (),

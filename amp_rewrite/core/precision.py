@@ -27,6 +27,21 @@ class OpClass(enum.Enum):
     __hash__ = object.__hash__  # see Precision
 
 
+class Label(enum.Enum):
+    """The dtype a group runs in, in a mixed plan (``core/multilabel.py``)."""
+
+    FP32 = "float32"
+    FP16 = "float16"
+    BF16 = "bfloat16"
+
+    __hash__ = object.__hash__  # identity hash, as Precision (hot loops)
+
+
+# ``dtype="mixed"``: fp16, bf16 or fp32 per node (core/multilabel.py); not a LowDtype, since
+# the view's low dtype stays fp16 and bf16 is what a node takes where fp16's range is short
+MIXED = "mixed"
+
+
 class LowDtype(enum.Enum):
     """The low-precision target; names match numpy/onnx/torch spellings."""
 
@@ -48,6 +63,17 @@ class LowDtype(enum.Enum):
             from amp_rewrite.errors import UsageError
 
             raise UsageError(f"unknown low-precision dtype {text!r}: use fp16 or bf16") from None
+
+    @classmethod
+    def parse_plan(cls, text: object) -> LowDtype | str:
+        """``parse``, or ``MIXED`` for 'mixed'."""
+        if isinstance(text, str) and text.lower() == MIXED:
+            return MIXED
+        return cls.parse(text)
+
+    @property
+    def label(self) -> Label:
+        return Label.FP16 if self is LowDtype.FLOAT16 else Label.BF16
 
     @property
     def max_finite(self) -> float:

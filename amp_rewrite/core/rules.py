@@ -11,6 +11,12 @@ start deny propagation: gray/clear ops downstream of it stay free and the min cu
 its output is cast. Overlays add entries; ``AMP_REWRITE_BOUNDED_OUTPUT_ADD`` and ``_REMOVE``
 apply last, like the class variables.
 
+A ``[range]`` table (op = "reason") names ops that need range more than precision: in a
+mixed plan (``--dtype mixed``) they run bf16 where their class or fp16's range would keep
+them fp32 (a sum of squares overflows fp16; bf16's 8-bit mantissa is enough for it). In fp16
+and bf16 plans the table changes nothing. ``AMP_REWRITE_RANGE_ADD`` and ``_REMOVE`` apply
+last, as for ``[bounded_output]``.
+
 A ``[keep_fp32]`` table (node-name fnmatch pattern = "reason") pins nodes fp32 as
 ``--keep-fp32`` does, with the reason ``--explain`` prints; ``[keep_low]`` runs nodes low over
 the rule classes and calibration (not over what the adapter or the range screen fixes). The
@@ -37,6 +43,7 @@ ENV_FILES = "AMP_REWRITE_RULES"
 ENV_PREFIX = "AMP_REWRITE_"
 # Variables of the package that are not rule lists (runtime, bench and tools read them).
 BOUNDED_OUTPUT = "bounded_output"  # the table of ops whose output is bounded (module docstring)
+RANGE = "range"  # the table of ops needing range more than precision (module docstring)
 KEEP_FP32 = "keep_fp32"  # the table of node-name patterns pinned fp32 (module docstring)
 KEEP_LOW = "keep_low"  # the table of node-name patterns run low (module docstring)
 OTHER_ENV_VARS = frozenset({"AMP_REWRITE_CACHE", "AMP_REWRITE_MODELOPT_PYTHON",
@@ -46,7 +53,7 @@ OTHER_ENV_VARS = frozenset({"AMP_REWRITE_CACHE", "AMP_REWRITE_MODELOPT_PYTHON",
 def env_op_list_names() -> list[str]:
     """``AMP_REWRITE_<CLASS>_ADD`` and ``_REMOVE`` for every rule class."""
     return [f"{ENV_PREFIX}{name.upper()}_{verb}" for verb in ("ADD", "REMOVE")
-            for name in [*(c.value for c in RULE_CLASSES), BOUNDED_OUTPUT]]
+            for name in [*(c.value for c in RULE_CLASSES), BOUNDED_OUTPUT, RANGE]]
 
 
 def known_env_vars() -> list[str]:
@@ -94,10 +101,12 @@ class RuleSet:
     """The effective op → class mapping after all overlays, and the bounded-output ops."""
 
     def __init__(self, entries: Iterable[RuleEntry] = (),
-                 bounded: Iterable[BoundedEntry] = (), pins: Iterable[PinEntry] = ()) -> None:
+                 bounded: Iterable[BoundedEntry] = (), pins: Iterable[PinEntry] = (),
+                 range_ops: Iterable[BoundedEntry] = ()) -> None:
         self._entries: dict[str, RuleEntry] = {e.op: e for e in entries}
         self._bounded: dict[str, BoundedEntry] = {e.op: e for e in bounded}
         self.pins: tuple[PinEntry, ...] = tuple({(e.pattern, e.low): e for e in pins}.values())
+        self._range: dict[str, BoundedEntry] = {e.op: e for e in range_ops}
 
     def classify(self, op_key: str) -> RuleEntry | None:
         return self._entries.get(op_key)
@@ -116,21 +125,38 @@ class RuleSet:
     def bounded_entries(self) -> list[BoundedEntry]:
         return sorted(self._bounded.values(), key=lambda e: e.op)
 
+    def needs_range(self, op_key: str) -> bool:
+        """True when ``op_key`` needs range more than precision: bf16 in a mixed plan."""
+        return op_key in self._range
+
+    def range_entry(self, op_key: str) -> BoundedEntry | None:
+        return self._range.get(op_key)
+
+    def range_entries(self) -> list[BoundedEntry]:
+        return sorted(self._range.values(), key=lambda e: e.op)
+
     def overlay(self, entries: Iterable[RuleEntry], bounded: Iterable[BoundedEntry] = (),
-                pins: Iterable[PinEntry] = ()) -> RuleSet:
+                pins: Iterable[PinEntry] = (), range_ops: Iterable[BoundedEntry] = ()
+                ) -> RuleSet:
         return RuleSet([*self._entries.values(), *entries], [*self._bounded.values(), *bounded],
-                       [*self.pins, *pins])
+                       [*self.pins, *pins], [*self._range.values(), *range_ops])
 
     def without(self, op_class: OpClass, ops: Iterable[str]) -> RuleSet:
         drop = set(ops)
         return RuleSet((e for e in self._entries.values()
                         if not (e.op in drop and e.op_class is op_class)),
-                       self._bounded.values(), self.pins)
+                       self._bounded.values(), self.pins, self._range.values())
 
     def without_bounded(self, ops: Iterable[str]) -> RuleSet:
         drop = set(ops)
         return RuleSet(self._entries.values(),
-                       (e for e in self._bounded.values() if e.op not in drop), self.pins)
+                       (e for e in self._bounded.values() if e.op not in drop), self.pins,
+                       self._range.values())
+
+    def without_range(self, ops: Iterable[str]) -> RuleSet:
+        drop = set(ops)
+        return RuleSet(self._entries.values(), self._bounded.values(), self.pins,
+                       (e for e in self._range.values() if e.op not in drop))
 
 
 def default_rules_path(domain: str) -> Path:
@@ -149,7 +175,7 @@ def parse_rule_file(path: str | Path) -> list[RuleEntry]:
     data = _read_rule_file(path)
     entries: dict[str, RuleEntry] = {}
     for class_name, table in data.items():
-        if class_name in ("schema", BOUNDED_OUTPUT, KEEP_FP32, KEEP_LOW):
+        if class_name in ("schema", BOUNDED_OUTPUT, RANGE, KEEP_FP32, KEEP_LOW):
             continue
         op_class = _parse_class(path, class_name, table)
         for op, reason in table.items():
@@ -164,11 +190,17 @@ def parse_rule_file(path: str | Path) -> list[RuleEntry]:
 
 def parse_bounded_output(path: str | Path) -> list[BoundedEntry]:
     """The ``[bounded_output]`` table of one rule file (empty when it has none)."""
+    return parse_op_table(path, BOUNDED_OUTPUT)
+
+
+def parse_op_table(path: str | Path, name: str) -> list[BoundedEntry]:
+    """An op = "reason" table that is not a class (``[bounded_output]``, ``[range]``) of one
+    rule file (empty when it has none)."""
     path = Path(path)
-    table = _read_rule_file(path).get(BOUNDED_OUTPUT, {})
+    table = _read_rule_file(path).get(name, {})
     if not isinstance(table, dict):
-        raise RuleFileError(f"{path}: [{BOUNDED_OUTPUT}] must be a table of op = \"reason\"")
-    return [BoundedEntry(op, _reason(path, BOUNDED_OUTPUT, op, reason), str(path))
+        raise RuleFileError(f"{path}: [{name}] must be a table of op = \"reason\"")
+    return [BoundedEntry(op, _reason(path, name, op, reason), str(path))
             for op, reason in table.items()]
 
 
@@ -206,7 +238,7 @@ def _parse_class(path: Path, class_name: str, table: object) -> OpClass:
     names = [c.value for c in RULE_CLASSES]
     if class_name not in names:
         raise RuleFileError(f"{path}: unknown class [{class_name}]; expected one of {names} "
-                            f"(or [{BOUNDED_OUTPUT}], [{KEEP_FP32}], [{KEEP_LOW}])")
+                            f"(or [{BOUNDED_OUTPUT}], [{RANGE}], [{KEEP_FP32}], [{KEEP_LOW}])")
     if not isinstance(table, dict):
         raise RuleFileError(f"{path}: [{class_name}] must be a table of op = \"reason\"")
     return OpClass(class_name)
@@ -236,7 +268,12 @@ def _apply_env(rules: RuleSet, env: Mapping[str, str]) -> RuleSet:
     name = f"{ENV_PREFIX}{BOUNDED_OUTPUT.upper()}"
     rules = rules.overlay([], [BoundedEntry(op, f"added by ${name}_ADD", f"${name}_ADD")
                                for op in _env_op_list(env, f"{name}_ADD")])
-    return rules.without_bounded(_env_op_list(env, f"{name}_REMOVE"))
+    rules = rules.without_bounded(_env_op_list(env, f"{name}_REMOVE"))
+    name = f"{ENV_PREFIX}{RANGE.upper()}"
+    rules = rules.overlay([], range_ops=[BoundedEntry(op, f"added by ${name}_ADD",
+                                                      f"${name}_ADD")
+                                         for op in _env_op_list(env, f"{name}_ADD")])
+    return rules.without_range(_env_op_list(env, f"{name}_REMOVE"))
 
 
 def load_rules(domain: str, extra_files: Iterable[str | Path] = (),
@@ -250,12 +287,14 @@ def load_rules(domain: str, extra_files: Iterable[str | Path] = (),
     env = os.environ if env is None else env
     packaged_path = default_rules_path(domain)
     packaged = parse_rule_file(packaged_path)
-    rules = RuleSet(packaged, parse_bounded_output(packaged_path))
+    rules = RuleSet(packaged, parse_bounded_output(packaged_path),
+                    range_ops=parse_op_table(packaged_path, RANGE))
     env_files = [p for p in env.get(ENV_FILES, "").split(os.pathsep) if p]
     overlays = []
     for path in [*extra_files, *env_files]:
         overlays.append(parse_rule_file(path))
-        rules = rules.overlay(overlays[-1], parse_bounded_output(path), parse_pins(path))
+        rules = rules.overlay(overlays[-1], parse_bounded_output(path), parse_pins(path),
+                              parse_op_table(path, RANGE))
     warn_env_names(env)
     if known_ops is not None:
         known = {e.op for e in packaged} | set(known_ops)

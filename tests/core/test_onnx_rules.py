@@ -77,10 +77,17 @@ def op_class(rules: dict) -> dict[str, str]:
 
 # (1) format ---------------------------------------------------------------------------------
 
-def test_schema_is_1_and_only_the_four_class_tables_and_bounded_output(rules):
+def test_schema_is_1_and_only_the_four_class_tables_bounded_output_and_range(rules):
     assert rules.get("schema") == 1
-    assert set(rules) == {"schema", *CLASSES, "bounded_output"}
+    assert set(rules) == {"schema", *CLASSES, "bounded_output", "range"}
     assert all(isinstance(rules[cls], dict) and rules[cls] for cls in CLASSES)
+
+
+def test_range_ops_are_onnx_ops_of_a_rule_class_with_a_reason(rules, op_class):
+    """[range] changes only mixed plans: each entry is a listed op and says why bf16 holds it."""
+    assert rules["range"]
+    for op, reason in rules["range"].items():
+        assert op in op_class and isinstance(reason, str) and "bf16" in reason, op
 
 
 def test_bounded_output_ops_are_deny_ops_with_a_reason(rules, op_class):
