@@ -18,7 +18,7 @@ from typing import Any
 
 from amp_rewrite.core.graph import SINK_OP, SOURCE_OP, PrecisionGraph
 from amp_rewrite.core.plan import PrecisionPlan, explain_chain
-from amp_rewrite.core.precision import Precision
+from amp_rewrite.core.precision import Label, Precision
 from amp_rewrite.core.rules import close_match
 from amp_rewrite.errors import UsageError
 
@@ -37,6 +37,7 @@ class Report:
     padding: dict = field(default_factory=lambda: {"enabled": False})
     fused: dict = field(default_factory=dict)
     details: Any = None
+    mixed: dict | None = None  # a mixed plan's section (``mixed_summary``)
     steps: list[dict] = field(default_factory=list)  # core/pipeline.Record: what each pass did
     seconds: float | None = None
     budget: dict | None = None  # the accuracy budget's section (core/budget.py)
@@ -50,20 +51,54 @@ class Report:
         return {p.value: counts.get(p.value, 0) for p in Precision}
 
     @property
+    def dtype_counts(self) -> dict[str, int] | None:
+        """Nodes per dtype in a mixed plan (None otherwise)."""
+        if not any("dtype" in r for r in self.nodes):
+            return None
+        counts = Counter(r.get("dtype", "float32") for r in self.nodes)
+        return {label.value: counts.get(label.value, 0) for label in Label}
+
+    @property
     def unlisted_ops(self) -> list[str]:
         return sorted({r["op_type"] for r in self.nodes if r["class"] == "unlisted"})
 
     def to_json(self) -> dict:
         return {"dtype": self.dtype, "nodes": self.nodes, "casts_inserted": self.casts_inserted,
                 "cast_bytes_planned": self.cast_bytes_planned,
-                "precision_counts": self.precision_counts, "nodes_retyped": self.nodes_retyped,
+                "precision_counts": self.precision_counts,
+                **({} if self.dtype_counts is None else {"dtype_counts": self.dtype_counts}),
+                "nodes_retyped": self.nodes_retyped,
                 "unlisted_ops": self.unlisted_ops, "padding": self.padding, "fused": self.fused,
-                "modified": self.modified, **_flat(self.details), "steps": self.steps,
+                "modified": self.modified, **_flat(self.details),
+                **({} if self.mixed is None else {"mixed": self.mixed}), "steps": self.steps,
                 **({} if self.seconds is None else {"seconds": self.seconds}),
                 **({} if self.budget is None else {
                     "budget": self.budget, "pinned_by_budget": self.pinned_by_budget,
                     **({} if self.lowered_by_budget is None
                        else {"lowered_by_budget": self.lowered_by_budget})})}
+
+
+def mixed_summary(plan: PrecisionPlan, graph: PrecisionGraph,
+                  flops: Mapping[Hashable, float] | None = None) -> dict:
+    """A mixed plan's report section: groups and (given ``flops`` per group) FLOP shares per
+    dtype, cast bytes per (from, to) dtype pair, fp16↔bf16 included, and the solver's
+    status and gap (docs/design.md §3)."""
+    labels = {k: d.label or Label.FP32 for k, d in plan.decisions.items()}
+    pairs: Counter = Counter()
+    for cast in plan.casts:
+        producer = graph.producer(cast.value)
+        have = labels[producer] if producer is not None else Label.FP32
+        to = cast.label or (Label.FP32 if cast.to is Precision.HIGH else Label.FP16)
+        pairs[f"{have.value}->{to.value}"] += graph.cost_units(cast.value)
+    section = {"solver": dict(plan.solver or {}), "cast_bytes": dict(sorted(pairs.items()))}
+    if flops:
+        total = sum(flops.values()) or 1.0
+        per = Counter()
+        for key, f in flops.items():
+            per[labels[key].value] += f
+        section["flop_share"] = {label.value: round(per[label.value] / total, 6)
+                                 for label in Label}
+    return section
 
 
 def _flat(details: Any) -> dict:
@@ -91,6 +126,8 @@ def _record(plan: PrecisionPlan, groups: list) -> dict:
     d = plan.decisions[main.key]
     record = {"name": main.name, "op_type": main.op_key, "precision": d.precision.value,
               "class": d.op_class.value, "reason": d.reason}
+    if d.label is not None:  # a mixed plan: which low dtype, or float32
+        record["dtype"] = d.label.value
     others = [g for g in groups if g is not main]
     if others:
         record["ports"] = [{"type_vars": g.tvar, "precision": plan.decisions[g.key].precision.value,

@@ -60,3 +60,20 @@ def test_fp16_wide_values_send_their_reader_to_bf16_not_fp32():
     assert "70000" in plan.decisions["add"].reason
     assert "runs bf16, not fp16" in plan.decisions["add"].reason
     assert plan.cast_units == 16
+
+
+def test_the_mixed_report_section_counts_cast_bytes_per_dtype_pair_and_flop_shares():
+    from amp_rewrite.core.report import mixed_summary, node_records
+
+    g = _chain()
+    plan = plan_mixed(g, RULES)
+    # flops by hand: mm 100, sq 10, add 1, exp 1 (of 112)
+    section = mixed_summary(plan, g, {"mm": 100.0, "sq": 10.0, "add": 1.0, "exp": 1.0})
+    assert section["cast_bytes"] == {"float16->bfloat16": 4, "float32->float16": 4,
+                                     "bfloat16->float32": 4}
+    assert section["flop_share"] == {"float32": round(1 / 112, 6),
+                                     "float16": round(100 / 112, 6),
+                                     "bfloat16": round(11 / 112, 6)}
+    assert section["solver"]["status"] == "OPTIMAL"
+    records = {r["name"]: r["dtype"] for r in node_records(plan, g)}
+    assert records == {"mm": "float16", "sq": "bfloat16", "add": "bfloat16", "exp": "float32"}
