@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "decoders": "benchmarks.deployed",
     "fp8": "benchmarks.fp8",
     "budget": "benchmarks.budget",
+    "mixed": "benchmarks.mixed",
 }
 
 
