@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from amp_rewrite.core import LowDtype
+from amp_rewrite.core.precision import MIXED
 # the framework-free checks, shared with the ONNX path
 from amp_rewrite.core.options import (ArgumentError, file_path, flag, max_error,  # noqa: F401
                                       max_evaluations, patterns)
@@ -30,6 +31,17 @@ def low_dtype(value: object, *, name: str = "dtype") -> torch.dtype:
         return LOW_DTYPES[LowDtype.parse(value)]
     except UsageError:
         raise ArgumentError(f"{name}={value!r}: expected one of {DTYPE_SPELLINGS}") from None
+
+
+def plan_dtype(value: object, *, name: str = "dtype") -> torch.dtype | str:
+    """``low_dtype``, or ``"mixed"``: fp16, bf16 or fp32 per node from one exact plan
+    (``core/multilabel.plan_mixed``)."""
+    if isinstance(value, str) and value.lower() == MIXED:
+        return MIXED
+    try:
+        return low_dtype(value, name=name)
+    except ArgumentError as e:
+        raise ArgumentError(f"{e} or 'mixed'") from None
 
 
 def device_type(value: object, *, name: str = "device") -> str | None:

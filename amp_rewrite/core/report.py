@@ -149,7 +149,7 @@ class Reasons(Mapping):
 
     def __getitem__(self, name: str) -> list[str]:
         keys = self._keys[name]
-        lines = [line for k in keys for line in explain_chain(self.plan, self.graph, k)]
+        lines = [line for k in keys for line in labelled_chain(self.plan, self.graph, k)]
         return [*(self.prefix(name, keys) if self.prefix else ()), *lines]
 
     def __iter__(self) -> Iterator[str]:
@@ -157,6 +157,25 @@ class Reasons(Mapping):
 
     def __len__(self) -> int:
         return len(self._keys)
+
+
+def labelled_chain(plan: PrecisionPlan, graph: PrecisionGraph, group: Hashable) -> list[str]:
+    """``explain_chain``, each line of a mixed plan naming its group's dtype after the
+    precision (``low (bfloat16) — ...``)."""
+    lines = explain_chain(plan, graph, group)
+    keys, seen = [], set()
+    while group is not None and group not in seen:  # the groups explain_chain follows
+        seen.add(group)
+        keys.append(group)
+        group = plan.decisions[group].cause
+    out = []
+    for key, line in zip(keys, lines):
+        d = plan.decisions[key]
+        if d.label is not None:
+            line = line.replace(f": {d.precision.value} — ",
+                                f": {d.precision.value} ({d.label.value}) — ", 1)
+        out.append(line)
+    return out
 
 
 class UnknownNodeError(UsageError):

@@ -20,6 +20,7 @@ from amp_rewrite.core import report as core_report
 from amp_rewrite.errors import UsageError
 from amp_rewrite.fx import budget as fx_budget
 from amp_rewrite.fx.capture import capture as capture_module
+from amp_rewrite.fx.capture import normalize_inputs
 from amp_rewrite.fx.fusion import FUSED_TAG
 from amp_rewrite.fx.modes import TrainEvalModule, in_mode
 from amp_rewrite.fx.options import BUDGET, GRAPH, TorchOptions
@@ -76,7 +77,9 @@ def _capture_and_rewrite(model: torch.nn.Module, example_inputs: Any,
         gm = capture_module(model, example_inputs, example_kwargs, mode=capture,
                             dynamic_shapes=dynamic_shapes)
     captured = time.perf_counter()
-    gm = run_pipeline(gm, options, budget)
+    examples = normalize_inputs(example_inputs, example_kwargs) if options.mixed \
+        and not isinstance(model, torch.fx.GraphModule) else None
+    gm = run_pipeline(gm, options, budget, examples)
     gm.amp_report["capture_seconds"] = round(captured - start, 4)
     return gm
 

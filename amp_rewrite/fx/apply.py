@@ -88,7 +88,7 @@ def _cast_targets(graph: torch.fx.Graph, view: FxView, plan: PrecisionPlan,
         consumers = [g for g in cast.consumers if (g, cast.value) not in promoted]
         if not consumers:
             continue
-        dtype = view.dtype(cast.to)
+        dtype = view.cast_dtype(plan, cast)
         node = existing.get((cast.value, dtype))
         if node is None:
             node = insert_cast(graph, cast.value, dtype)
@@ -105,7 +105,7 @@ def _retype_conversions(view: FxView, plan: PrecisionPlan) -> int:
     for info in view.graph.groups():
         if info.tvar != "out" or info.op_key not in opkeys.RETYPABLE:
             continue
-        want = view.dtype(plan.precision(info.key))
+        want = view.dtype(plan, info.key)
         if opkeys.explicit_dtype(info.node) not in (None, want):
             opkeys.set_explicit_dtype(info.node, want)
             retyped += 1
@@ -113,20 +113,21 @@ def _retype_conversions(view: FxView, plan: PrecisionPlan) -> int:
 
 
 def _retarget_sentinels(view: FxView, plan: PrecisionPlan) -> int:
-    """``±finfo(float32).max`` scalars of ops planned low become ``±finfo(low).max``."""
-    low_max = torch.finfo(view.low).max
-
-    def retarget(arg: object) -> object:
-        if isinstance(arg, float) and is_sentinel(arg):
-            return math.copysign(low_max, arg)
-        return arg
-
+    """``±finfo(float32).max`` scalars of ops planned low become ``±finfo(low).max`` of the
+    dtype each op runs in."""
     retargeted = 0
     for info in view.graph.groups():
         node = info.node
         if not isinstance(node, Node) or plan.precision(info.key) is not Precision.LOW or not any(
                 is_sentinel(x) for x in float_scalars(node)):
             continue
+        low_max = torch.finfo(view.dtype(plan, info.key)).max
+
+        def retarget(arg: object, low_max: float = low_max) -> object:
+            if isinstance(arg, float) and is_sentinel(arg):
+                return math.copysign(low_max, arg)
+            return arg
+
         node.args = map_aggregate(node.args, retarget)
         node.kwargs = map_aggregate(node.kwargs, retarget)
         retargeted += 1
@@ -205,7 +206,7 @@ def _sync_metadata_asserts(graph: torch.fx.Graph, view: FxView, plan: PrecisionP
         producer = view.values.get(resolve(node.args[0]))
         if producer is None or "dtype" not in node.kwargs:
             continue
-        dtype = view.dtype(plan.precision(producer))
+        dtype = view.dtype(plan, producer)
         if node.kwargs["dtype"] != dtype:
             node.update_kwarg("dtype", dtype)
             updated += 1
@@ -227,8 +228,7 @@ def retype_values(gm: torch.fx.GraphModule, view: FxView, plan: PrecisionPlan) -
         if is_cast(node):
             _set_val(node, node.args[0].meta.get("val"), node.kwargs["dtype"], memo)
         elif node in view.values:
-            _set_val(node, node.meta.get("val"), view.dtype(plan.precision(view.values[node])),
-                     memo)
+            _set_val(node, node.meta.get("val"), view.dtype(plan, view.values[node]), memo)
             parent = node.args[0] if node.target is operator.getitem else None
             if parent is not None and isinstance(parent.meta.get("val"), list | tuple):
                 vals = list(parent.meta["val"])
@@ -265,10 +265,12 @@ def check_applied(view: FxView, plan: PrecisionPlan) -> None:
     """Postcondition on refreshed ``meta['val']``: every port reads its group's dtype."""
     promoted = promoted_reads(view, plan)
     for group, ports in view.ports.items():
-        want = view.dtype(plan.precision(group))
+        want = view.dtype(plan, group)
         for port in ports:
             val = get_arg(port.node, port.path).meta.get("val")
-            want_here = view.low if (group, port.value) in promoted else want
+            # a promoted read takes the value as made
+            want_here = (view.dtype(plan, view.values[port.value])
+                         if (group, port.value) in promoted else want)
             if isinstance(val, torch.Tensor) and val.dtype != want_here:
                 raise AmpRewriteError(
                     f"internal error: {port.node.name} reads {port.value.name} as {val.dtype} "

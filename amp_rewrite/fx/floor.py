@@ -20,9 +20,17 @@ _LOW_CLASSES = {OpClass.ALLOW}
 _HIGH_CLASSES = {OpClass.DENY}
 
 
-def autocast_pins(graph: PrecisionGraph, rules: RuleSet) -> dict[Hashable, str]:
-    """Group key → reason, for the free groups autocast would run in fp32."""
+def autocast_pins(graph: PrecisionGraph, rules: RuleSet, *,
+                  range_low: bool = False) -> dict[Hashable, str]:
+    """Group key → reason, for the free groups autocast would run in fp32.
+
+    ``range_low`` (mixed plans): the ops of the rules' ``[range]`` table are replayed low, as
+    the plan runs them bf16 where autocast runs them fp32 (rules/torch.toml says why), so
+    their readers are not pinned fp32 on their account."""
     classes = classify_groups(graph, rules)
+    if range_low:
+        classes.update({g.key: OpClass.ALLOW for g in graph.groups()
+                        if g.fixed is None and rules.needs_range(g.op_key)})
     replayed: dict[Hashable, Precision] = {}
     pins: dict[Hashable, str] = {}
     for group in graph.groups():  # insertion order is the fx graph's topological order

@@ -26,7 +26,7 @@ from amp_rewrite.fx import opkeys
 from amp_rewrite.fx.apply import after_producer, set_arg
 from amp_rewrite.fx.capture import refresh_fake_values
 from amp_rewrite.fx.passes import storage_aliases
-from amp_rewrite.fx.view import NO_LOW_KERNEL, is_cast, tensor_args
+from amp_rewrite.fx.view import MISSING_LOW_KERNELS, NO_LOW_KERNEL, is_cast, tensor_args
 
 FOREIGN_TAG = "amp_rewrite_foreign_float"  # node.meta key on the conversions this pass adds
 _OTHER_LOW = {torch.float16: torch.bfloat16, torch.bfloat16: torch.float16}
@@ -162,9 +162,12 @@ _PROBED_CLASSES = {OpClass.GRAY, OpClass.CLEAR}  # allow: CPU autocast runs them
 _MAX_PROBE_ELEMENTS = 1 << 24  # larger inputs are not materialised; such ops stay unprobed
 
 
-def mark_missing_low_kernels(gm: torch.fx.GraphModule, low: torch.dtype, rules: RuleSet,
-                             device: str) -> None:
-    """Mark (``NO_LOW_KERNEL``) the ops that cannot run in ``low`` on ``device``."""
+def mark_missing_low_kernels(gm: torch.fx.GraphModule, lows: tuple[torch.dtype, ...],
+                             rules: RuleSet, device: str) -> None:
+    """Mark the ops that cannot run in some of ``lows`` on ``device``: ``MISSING_LOW_KERNELS``
+    maps each such dtype to the reason, and ``NO_LOW_KERNEL`` (the view keeps the op fp32)
+    is set when every one is missing. A mixed plan probes fp16 and bf16 (an op with only a
+    bf16 kernel may still run bf16)."""
     if device != "cpu":
         return  # CUDA kernels cover fp16/bf16 for every op its autocast lists
     for node in gm.graph.nodes:
@@ -172,19 +175,29 @@ def mark_missing_low_kernels(gm: torch.fx.GraphModule, low: torch.dtype, rules: 
         if target is None or is_cast(node):
             continue
         key = opkeys.op_key(node, gm)
-        if not any(_dtype(arg) in (torch.float32, low) for _, arg in tensor_args(node)):
+        if not any(_dtype(arg) in (torch.float32, *lows) for _, arg in tensor_args(node)):
             continue
-        op_class = rules.class_of(key)
-        if op_class in _PROBED_CLASSES and _lacks_low_kernel(node, target, low):
-            node.meta[NO_LOW_KERNEL] = (f"{key} has no {low} kernel on CPU (probed), so it "
-                                        "runs in float32")
-        elif op_class is OpClass.ALLOW and key.startswith("conv"):
-            error = _low_conv_error(node, target, low)
-            if error is not None and error > _WRONG_KERNEL_ULPS * torch.finfo(low).eps:
-                node.meta[NO_LOW_KERNEL] = (
-                    f"{key}: this CPU's {low} kernel computes wrong results for this shape "
+        missing = {low: why for low in lows
+                   if (why := _missing_kernel(node, target, key, rules, low)) is not None}
+        if missing:
+            node.meta[MISSING_LOW_KERNELS] = missing
+        if missing and len(missing) == len(lows):
+            node.meta[NO_LOW_KERNEL] = "; ".join(missing.values())
+
+
+def _missing_kernel(node: Node, target: object, key: str, rules: RuleSet,
+                    low: torch.dtype) -> str | None:
+    """Why ``node`` cannot run in ``low`` on this CPU, or None."""
+    op_class = rules.class_of(key)
+    if op_class in _PROBED_CLASSES and _lacks_low_kernel(node, target, low):
+        return f"{key} has no {low} kernel on CPU (probed), so it runs in float32"
+    if op_class is OpClass.ALLOW and key.startswith("conv"):
+        error = _low_conv_error(node, target, low)
+        if error is not None and error > _WRONG_KERNEL_ULPS * torch.finfo(low).eps:
+            return (f"{key}: this CPU's {low} kernel computes wrong results for this shape "
                     f"(probed: relative error {error:.2g} against float32 on the same "
                     "rounded operands), so it runs in float32")
+    return None
 
 
 # A right low kernel differs from float32 on the same rounded operands by a few units of
@@ -288,7 +301,9 @@ def _probe_arguments(node: Node, low: torch.dtype) -> tuple[tuple, dict] | None:
         if torch.Size(shape).numel() > _MAX_PROBE_ELEMENTS:
             too_big = True
             return None
-        dtype = low if val.dtype in (torch.float32, low) else val.dtype
+        # every float32 or low input in the probed dtype: a planned group reads one dtype
+        dtype = low if val.dtype in (torch.float32, torch.float16, torch.bfloat16) \
+            else val.dtype
         return torch.zeros(shape, dtype=dtype)
 
     args = map_aggregate(node.args, materialise)

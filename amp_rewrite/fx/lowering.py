@@ -71,8 +71,10 @@ class MeasuredChoice:
         self._used[choice.shape_class] = choice
         if choice.chosen != "fp32":
             return None
+        # a mixed plan's kernels are fp16 or bf16: the node's own dtype names the kernel
+        name = DTYPE_SUFFIX.get(tensor_val(node).dtype, self.name)
         return (f"the fp32 kernel measured faster here: {choice.ms['fp32']:.3g} ms against "
-                f"{choice.ms['low']:.3g} ms for the {self.name} one")
+                f"{choice.ms['low']:.3g} ms for the {name} one")
 
     @property
     def timings(self) -> list[dict]:

@@ -22,8 +22,8 @@ CAPTURE = "capture"  # capturing an nn.Module: rewrite only
 CAPTURES = ("export", "symbolic_trace")
 
 
-def _low_dtype(value: Any, name: str) -> torch.dtype:
-    return arguments.low_dtype(value, name=name)
+def _plan_dtype(value: Any, name: str) -> torch.dtype | str:
+    return arguments.plan_dtype(value, name=name)
 
 
 def _device(value: Any, name: str) -> str | None:
@@ -58,9 +58,10 @@ def _kwargs(value: Any, name: str) -> Mapping[str, Any] | None:
 class TorchOptions:
     """What a user can ask of the torch rewrite, by scope (module constants)."""
 
-    dtype: torch.dtype = o.option(
-        torch.float16, check=_low_dtype, scope=GRAPH,
-        help="torch.float16 / torch.bfloat16 (or 'fp16' / 'bf16')")
+    dtype: torch.dtype | str = o.option(
+        torch.float16, check=_plan_dtype, scope=GRAPH,
+        help="torch.float16 / torch.bfloat16 (or 'fp16' / 'bf16'), or 'mixed': fp16, bf16 "
+             "or fp32 per node from one exact plan, bf16 where values exceed fp16's range")
     rules: tuple[str, ...] = o.option((), check=o.paths, scope=GRAPH,
                                       help="extra rule files (TOML overlays; later win)")
     keep_fp32: tuple[str, ...] = o.option(

@@ -23,12 +23,20 @@ from torch.fx import Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from amp_rewrite.core import LowDtype, PadPolicy, Precision, PrecisionPlan, RuleSet, plan_precision
-from amp_rewrite.core.report import Reasons, Report, node_records
+from amp_rewrite.core import multilabel, placement
+from amp_rewrite.core.graph import SINK_OP, SOURCE_OP
+from amp_rewrite.core.multilabel import plan_mixed
+from amp_rewrite.core.options import ArgumentError
+from amp_rewrite.core.precision import MIXED, Label
+from amp_rewrite.core.report import Reasons, Report, mixed_summary, node_records
 from amp_rewrite.fx import opkeys
 from amp_rewrite.fx.apply import ApplyResult, apply_plan, check_applied, retype_values
 from amp_rewrite.fx.floor import autocast_pins
+from amp_rewrite.fx.flops import node_flops
 from amp_rewrite.fx.fp8 import Fp8Options
-from amp_rewrite.fx.view import FxView, alias_set, build_view, finished, resolve
+from amp_rewrite.fx.ranges import screen
+from amp_rewrite.fx.view import (LABELS, MISSING_LOW_KERNELS, FxView, alias_set, build_view,
+                                 finished, resolve)
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +225,8 @@ def _make_functional(node: Node) -> int:
 class FxOptions:
     """What the passes need, from the checked user options (``FxOptions.of``)."""
 
-    low: torch.dtype = torch.float16
+    low: torch.dtype = torch.float16  # the view's low dtype; fp16 in a mixed plan
+    mixed: bool = False  # dtype="mixed": fp16, bf16 or fp32 per group (core/multilabel.py)
     rules: tuple[str, ...] = ()
     keep_fp32: tuple[str, ...] = ()
     keep_io_types: bool = True
@@ -234,12 +243,26 @@ class FxOptions:
     def of(cls, options) -> FxOptions:
         """The passes' options from the user's checked ones (``fx/options.TorchOptions``);
         the FP8 options are checked together here (they depend on each other and the dtype)."""
-        low = options.dtype
-        return cls(low, options.rules, options.keep_fp32, options.keep_io_types,
+        mixed = options.dtype == MIXED
+        if mixed and options.fp8 is not None:
+            raise ArgumentError(f"fp8={options.fp8!r} with dtype='mixed': FP8 GEMMs replace "
+                                "bf16 GEMMs of a bf16 plan; use dtype=torch.bfloat16")
+        low = torch.float16 if mixed else options.dtype
+        return cls(low, mixed, options.rules, options.keep_fp32, options.keep_io_types,
                    options.device, options.autocast_floor, options.pad, options.fuse,
                    options.emulate_gemms,
                    Fp8Options.checked(options.fp8, options.fp8_grad_dtype,
                                       options.fp8_min_size, options.keep_bf16, low))
+
+    @property
+    def dtype_name(self) -> str:
+        """The report's ``dtype``: 'float16', 'bfloat16' or 'mixed'."""
+        return MIXED if self.mixed else str(self.low).removeprefix("torch.")
+
+    @property
+    def low_dtypes(self) -> tuple[torch.dtype, ...]:
+        """The low dtypes a group may run in."""
+        return (torch.float16, torch.bfloat16) if self.mixed else (self.low,)
 
 
 class MixedPrecisionPass(PassBase):
@@ -276,12 +299,17 @@ class MixedPrecisionPass(PassBase):
                    kept: dict[Node, str]) -> tuple[FxView, PrecisionPlan]:
         """One view and its plan; the core reads promoting ops' inputs for free (view)."""
         opts = self.options
-        view = build_view(gm, opts.low, max_finite=LowDtype.parse(opts.low).max_finite,
+        # a mixed view fixes fp32 only what bf16 cannot hold (bf16's range)
+        widest = torch.bfloat16 if opts.mixed else opts.low
+        view = build_view(gm, opts.low, max_finite=LowDtype.parse(widest).max_finite,
                           keep_io_types=opts.keep_io_types,
                           keep_fp32_modules=list(opts.keep_fp32), kept_conversions=kept,
-                          device=opts.device)
-        pins = autocast_pins(view.graph, self.rules) if opts.autocast_floor else {}
+                          device=opts.device, mixed=opts.mixed)
+        pins = autocast_pins(view.graph, self.rules, range_low=opts.mixed) \
+            if opts.autocast_floor else {}
         pins.update(_budget_pins(view, opts.budget_pins))
+        if opts.mixed:
+            return view, _mixed_plan(gm, view, self.rules, opts.keep_fp32, pins)
         return view, plan_precision(view.graph, self.rules, keep_fp32=opts.keep_fp32,
                                     pins=pins)
 
@@ -293,10 +321,12 @@ class MixedPrecisionPass(PassBase):
         """Per-node decisions and totals (``core.report``), with every node's reasons."""
         records = node_records(self.plan, self.view.graph)
         applied = self.applied
-        report = Report(str(self.options.low).removeprefix("torch."), records,
+        report = Report(self.options.dtype_name, records,
                         applied.casts_inserted, self.plan.cast_units,
                         applied.conversions_retyped, applied.modified,
                         why=dict(Reasons(self.plan, self.view.graph)))
+        if self.options.mixed:
+            report.mixed = mixed_summary(self.plan, self.view.graph, _group_flops(self.view))
         notes = []
         if not records:
             notes.append("the model has no floating-point tensors: returned unchanged")
@@ -318,6 +348,48 @@ class TorchDetails:
     emulated_gemms: dict | None = None
     fp8: dict | None = None
     attention_masks_dropped: int = 0
+
+
+def _mixed_plan(gm: torch.fx.GraphModule, view: FxView, rules: RuleSet,
+                keep_fp32: tuple[str, ...], pins: dict) -> PrecisionPlan:
+    """fp16, bf16 or fp32 per group (``core.multilabel.plan_mixed``, decision 0037): the
+    view's fixed dtypes, the kernels this device has, the ranges of ``fx/ranges.py``, the
+    pins, and promoting reads next to fp32-fixed anchors read for free (decision 0004)."""
+    ranges = screen(gm, view)
+    constraints = dict(
+        adapter_dtypes={k: LABELS[d] for k, d in view.fixed_dtypes.items() if d in LABELS},
+        keep_fp32=keep_fp32, pins=pins, fp16_wide_values=ranges.fp16_wide_values,
+        wide_values=ranges.wide_values, range_groups=ranges.range_groups)
+    admissible = _admissible(view)
+    free = _free_reads(view.graph, rules, admissible, constraints)
+    return plan_mixed(view.graph, rules, admissible=admissible, free=free, **constraints)
+
+
+def _admissible(view: FxView) -> dict:
+    """Group key -> the labels its kernel has on this device, for nodes that lack some low
+    kernel (``fx/guards.mark_missing_low_kernels``)."""
+    found = {}
+    for info in view.graph.groups():
+        missing = getattr(info.node, "meta", {}).get(MISSING_LOW_KERNELS)
+        if missing:
+            found[info.key] = frozenset(Label) - {LABELS[d] for d in missing}
+    return found
+
+
+def _free_reads(graph, rules: RuleSet, admissible: Mapping, constraints: dict
+                ) -> placement.FreeReads:
+    """Promoting reads anchored by a group that can only run fp32 (``plan_mixed`` models
+    fixed anchors only: core/multilabel.py)."""
+    sets = multilabel.label_sets(graph, rules, **constraints)
+    fp32 = {k: Precision.HIGH for k, a in sets.items()
+            if not (a.labels & admissible.get(k, a.labels)) - {Label.FP32}}
+    return placement.free_reads(graph, fp32, placement.promotion_candidates(graph))
+
+
+def _group_flops(view: FxView) -> dict:
+    """FLOPs per op group (``fx/flops.py``), for the mixed report's FLOP shares."""
+    return {g.key: node_flops(g.node, g.op_key) for g in view.graph.groups()
+            if isinstance(g.node, Node) and g.op_key not in (SOURCE_OP, SINK_OP)}
 
 
 def _budget_pins(view: FxView, pinned: Mapping[str, str]) -> dict:

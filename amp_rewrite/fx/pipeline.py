@@ -19,7 +19,7 @@ from amp_rewrite.core import report as core_report
 from amp_rewrite.core.pipeline import Pass
 from amp_rewrite.core.rules import default_rules_path
 from amp_rewrite.fx import budget as fx_budget
-from amp_rewrite.fx import guards, kernel_timing, lowering
+from amp_rewrite.fx import guards, kernel_timing, lowering, ranges
 from amp_rewrite.fx.capture import fill_missing_fake_values, refresh_fake_values
 from amp_rewrite.fx.fp8 import RestoreFp8Gemms, fp8_section
 from amp_rewrite.fx.fusion import FUSED_FROM, FUSED_TAG, FuseAttention, FuseNorms, FuseTanhGelu
@@ -68,14 +68,20 @@ class Lowered:
 
 
 def run_pipeline(gm: torch.fx.GraphModule, options: FxOptions,
-                 budget: fx_budget.BudgetRequest | None = None) -> torch.fx.GraphModule:
+                 budget: fx_budget.BudgetRequest | None = None,
+                 examples: tuple[tuple, dict] | None = None) -> torch.fx.GraphModule:
     """The torch pipeline on a captured graph, in place, with checked options.
     ``budget``: search the accuracy budget's pins on copies of the prepared graph first,
-    and measure the result on the held-out batches."""
+    and measure the result on the held-out batches. ``examples``: (args, kwargs) of the
+    forward; a mixed plan records the values' magnitudes on them (``fx/ranges.py``)."""
     if budget is not None:
         fx_budget.check_not_rewritten(gm)
         reference = fx_budget.References.of(gm, budget)
     prepared = prepare(gm, options)
+    if options.mixed and examples is not None:
+        core_pipeline.run(gm, "prepare", [Pass("record value ranges", lambda g: ranges.
+                                               record_ranges(g, *examples) and False)],
+                          prepared.record)
     outcome = None
     if budget is not None:
         outcome = fx_budget.search_budget(gm, lambda copy, pins: plan_and_lower(
@@ -109,7 +115,7 @@ def prepare_passes(options: FxOptions, rules: RuleSet, convert: guards.ConvertFo
     its low kernels; integer data into GEMMs is refused, ops without a low kernel here stay
     fp32, and bf16/fp16/fp64-held models are adapted (fx/guards.py); then inlining, pattern
     fusion (docs/design.md §7.2), fresh fake values, functional ops, full slices, masks."""
-    device, low = options.device, options.low
+    device, lows = options.device, options.low_dtypes
     fusion = [Pass("fuse tanh gelu", FuseTanhGelu()), Pass("fuse attention", FuseAttention()),
               Pass("fuse norms", FuseNorms())] if options.fuse else []
     return [
@@ -119,7 +125,7 @@ def prepare_passes(options: FxOptions, rules: RuleSet, convert: guards.ConvertFo
         Pass("refuse integer gemm inputs",
              lambda gm: guards.refuse_non_float_gemm_inputs(gm, rules) or False),
         Pass("keep ops without a low kernel fp32",
-             lambda gm: guards.mark_missing_low_kernels(gm, low, rules, device) or False),
+             lambda gm: guards.mark_missing_low_kernels(gm, lows, rules, device) or False),
         Pass("convert foreign floats", convert),
         Pass("inline modules", InlineModules()),
         *fusion,
@@ -216,8 +222,11 @@ class _Emulate(PassBase):
     def __init__(self, options: FxOptions) -> None:
         self.low, self.device = options.low, options.device
         self.requested, self.fuse = options.emulate_gemms, options.fuse
-        self.section = {"enabled": False, "native_low_gemm": native_low_gemm(self.low,
-                                                                            self.device)}
+        # a mixed plan runs GEMMs in both low dtypes: one answer per dtype
+        native = {str(d).removeprefix("torch."): native_low_gemm(d, self.device)
+                  for d in options.low_dtypes}
+        self.section = {"enabled": False, "native_low_gemm": native if options.mixed
+                        else native_low_gemm(self.low, self.device)}
 
     def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
         requested = self.requested

@@ -30,13 +30,17 @@ import torch
 from torch.fx import Node
 from torch.fx.passes.infra.pass_base import PassResult
 
-from amp_rewrite.core import GroupInfo, OpClass, Precision, PrecisionGraph
+from amp_rewrite.core import CastPlan, GroupInfo, OpClass, Precision, PrecisionGraph, PrecisionPlan
+from amp_rewrite.core.precision import Label
 from amp_rewrite.core.precision import einsum_sums_over_nothing, integer_conversion_reason
 from amp_rewrite.fx import opkeys
 
 CAST_TAG = "amp_rewrite_cast"  # node.meta key on the casts this package inserts
 IO_DTYPES = "amp_rewrite_output_dtypes"  # output-node meta key: dtypes before the first run
 NO_LOW_KERNEL = "amp_rewrite_no_low_kernel"  # node meta key: the target device lacks one
+# node meta key: {low dtype: why} for each low dtype the device lacks a kernel for (fx/guards.py)
+MISSING_LOW_KERNELS = "amp_rewrite_missing_low_kernels"
+FP16_MAX = 65504.0
 ArgPath = tuple  # ("args", i[, j]) or ("kwargs", name[, j])
 _BATCH_NORMS = frozenset({"batch_norm", "native_batch_norm", "_native_batch_norm_legit",
                           "_native_batch_norm_legit_no_training",
@@ -99,14 +103,15 @@ class _GroupSpec:
     fixed: Precision | None = None
     reason: str = ""
     op_class: OpClass | None = None
+    fixed_dtype: torch.dtype | None = None  # a LOW fix's dtype where it may not be the view's
 
     @property
     def key(self) -> Hashable:
         return group_key(self.node, self.tvar)
 
-    def fix(self, precision: Precision, reason: str) -> None:
+    def fix(self, precision: Precision, reason: str, dtype: torch.dtype | None = None) -> None:
         if self.fixed is None:
-            self.fixed, self.reason = precision, reason
+            self.fixed, self.reason, self.fixed_dtype = precision, reason, dtype
 
 
 @dataclass
@@ -114,12 +119,27 @@ class FxView:
     """The PrecisionGraph plus what apply needs to map decisions back onto the fx graph."""
 
     graph: PrecisionGraph
-    low: torch.dtype
+    low: torch.dtype  # fp16 in a mixed view: a group's dtype is then its plan's label
     ports: dict[Hashable, list[Port]]  # group key -> its floating input ports
     values: dict[Node, Hashable]  # value node -> its producer (group or source key)
+    fixed_dtypes: dict[Hashable, torch.dtype] = field(default_factory=dict)  # fixed groups
+    # mixed views: groups computing with a scalar beyond fp16 (but not bf16) -> why
+    range_groups: dict[Hashable, str] = field(default_factory=dict)
 
-    def dtype(self, precision: Precision) -> torch.dtype:
-        return self.low if precision is Precision.LOW else torch.float32
+    @property
+    def low_label(self) -> Label:
+        return LABELS[self.low]
+
+    def dtype(self, plan: PrecisionPlan, group: Hashable) -> torch.dtype:
+        """The dtype ``group`` runs in under ``plan`` (two-label or mixed alike)."""
+        return DTYPES[plan.label(group, self.low_label)]
+
+    def cast_dtype(self, plan: PrecisionPlan, cast: CastPlan) -> torch.dtype:
+        return DTYPES[plan.cast_label(cast, self.low_label)]
+
+
+LABELS = {torch.float16: Label.FP16, torch.bfloat16: Label.BF16, torch.float32: Label.FP32}
+DTYPES = {label: dtype for dtype, label in LABELS.items()}
 
 
 # ------------------------------------------------------------------------- small helpers
@@ -213,14 +233,18 @@ class _Builder:
 
     def __init__(self, gm: torch.fx.GraphModule, low: torch.dtype, max_finite: float,
                  keep_io_types: bool, keep_fp32_modules: list[str],
-                 kept_conversions: Mapping[Node, str], device: str) -> None:
-        self.gm, self.low = gm, low
+                 kept_conversions: Mapping[Node, str], device: str, mixed: bool) -> None:
+        self.gm, self.low, self.mixed = gm, low, mixed
         self.on_cpu = device == "cpu"  # kernel facts differ between CPU and CUDA
         self.kept_conversions = kept_conversions
         self.max_finite = max_finite
         self.keep_io_types = keep_io_types
         self.module_patterns = keep_fp32_modules
         self.precisions = {torch.float32: Precision.HIGH, low: Precision.LOW}
+        if mixed:  # a rewritten mixed graph holds both low dtypes
+            self.precisions[torch.bfloat16] = Precision.LOW
+        self.range_groups: dict[Hashable, str] = {}
+        self.fixed_dtypes: dict[Hashable, torch.dtype] = {}
         self.values: dict[Node, Hashable] = {}
         self.specs: list[_GroupSpec] = []
         self.params = {id(p) for p in gm.parameters()}
@@ -271,7 +295,8 @@ class _Builder:
         spec = _GroupSpec(node, "T", key, ports, outputs, op_class=op_class)
         if not ports:  # where(mask, 0.0, -1e4): nothing to follow, and no dtype to retype
             spec.fix(self.precision_of(outputs[0]), "no floating-point tensor input and no "
-                                                    "dtype argument: torch's default decides")
+                                                    "dtype argument: torch's default decides",
+                     _dtype(outputs[0]))
         self._fix_special(spec)
         return [spec]
 
@@ -282,7 +307,7 @@ class _Builder:
             spec = _GroupSpec(node, "in", key, ports, op_class=OpClass.CLEAR)
             if key in _CPU_CONVERTS_INPUT and dtype in self.precisions and self.on_cpu:
                 spec.fix(self.precisions[dtype], f"{key} on CPU converts its input to {dtype} "
-                                                 "with a separate kernel")
+                                                 "with a separate kernel", dtype)
             specs.append(spec)
         if outputs:
             out = _GroupSpec(node, "out", key, outputs=outputs, op_class=OpClass.CLEAR)
@@ -298,7 +323,7 @@ class _Builder:
                 out.op_class = OpClass.DENY
             elif not (key in opkeys.RETYPABLE and dtype == torch.float32):
                 out.fix(self.precisions[dtype],
-                        f"{key}: the model's own dtype argument {dtype} is kept")
+                        f"{key}: the model's own dtype argument {dtype} is kept", dtype)
             specs.append(out)
         return specs
 
@@ -319,11 +344,16 @@ class _Builder:
         if NO_LOW_KERNEL in node.meta:  # found by probing the kernel (fx/guards.py)
             spec.fix(Precision.HIGH, node.meta[NO_LOW_KERNEL])
         for x in float_scalars(node):
+            if self.mixed and math.isfinite(x) and FP16_MAX < abs(x) <= self.max_finite:
+                # bf16 holds it: the group needs range, not fp32 (core/multilabel.py)
+                self.range_groups[spec.key] = (f"scalar argument {x:g} is beyond fp16's "
+                                               "range, and so may be its output")
             if (math.isfinite(x) and abs(x) > self.max_finite and not is_sentinel(x)
                     and spec.fixed is None):
                 # Its output may hold the scalar too: a deny source, so following gray/clear
                 # ops keep it high as well (docs/design.md §3).
-                spec.fix(Precision.HIGH, f"scalar argument {x:g} is outside the {self.low} "
+                spec.fix(Precision.HIGH, f"scalar argument {x:g} is outside the "
+                                         f"{torch.bfloat16 if self.mixed else self.low} "
                                          "range, and so may be its output")
                 spec.op_class = OpClass.DENY
         stack = node.meta.get("nn_module_stack") or {}
@@ -344,7 +374,7 @@ class _Builder:
         if params:
             precision = self.precisions.get(params[0].dtype, Precision.HIGH)
             spec.fix(precision, f"module {type(module).__name__} runs with its own "
-                                f"{params[0].dtype} parameters (not inlined)")
+                                f"{params[0].dtype} parameters (not inlined)", params[0].dtype)
 
     # -- mutation ----------------------------------------------------------------------
     def fix_mutations(self) -> None:
@@ -361,9 +391,11 @@ class _Builder:
                 continue
             aliases = alias_set(resolve(target), self.gm)
             precision = self.precision_of(resolve(target))
+            dtype = _dtype(resolve(target))
             for v in aliases:
                 for spec in by_value.get(v, ()):
-                    spec.fix(precision, f"reads or writes a tensor that {node.name} mutates in place")
+                    spec.fix(precision, f"reads or writes a tensor that {node.name} mutates "
+                                        "in place", dtype)
 
     # -- assembly ------------------------------------------------------------------------
     def build(self) -> FxView:
@@ -391,10 +423,13 @@ class _Builder:
             graph.add_group(info, inputs=list(dict.fromkeys(p.value for p in spec.ports)),
                             outputs=spec.outputs)
             ports[spec.key] = spec.ports
+            if spec.fixed is not None:
+                self.fixed_dtypes[spec.key] = spec.fixed_dtype or (
+                    torch.float32 if spec.fixed is Precision.HIGH else self.low)
             for v in spec.outputs:
                 self.values[v] = spec.key
         self._add_sinks(graph, ports)
-        return FxView(graph, self.low, ports, self.values)
+        return FxView(graph, self.low, ports, self.values, self.fixed_dtypes, self.range_groups)
 
     def _is_tuple_getitem(self, node: Node) -> bool:
         source = node.args[0]
@@ -410,6 +445,7 @@ class _Builder:
             reason = "buffer or constant: stored as is"
         key = ("src", node)
         graph.add_source(key, node, name=node.name, fixed=precision, reason=reason)
+        self.fixed_dtypes[key] = _dtype(node)
         self.values[node] = key
 
     def _add_sinks(self, graph: PrecisionGraph, ports: dict[Hashable, list[Port]]) -> None:
@@ -426,6 +462,8 @@ class _Builder:
             fixed = precision if self.keep_io_types else None
             graph.add_sink(("sink", i), value, name=f"output_{i}", fixed=fixed,
                            reason="graph output: keep_io_types keeps its dtype")
+            if fixed is not None:
+                self.fixed_dtypes[("sink", i)] = original[i]
             ports[("sink", i)] = [Port(output, path, value)]
 
 
@@ -451,12 +489,14 @@ def alias_set(value: Node, gm: torch.fx.GraphModule) -> set[Node]:
 def build_view(gm: torch.fx.GraphModule, low: torch.dtype, *, max_finite: float,
                keep_io_types: bool = True, keep_fp32_modules: list[str] | None = None,
                kept_conversions: Mapping[Node, str] | None = None,
-               device: str = "cuda") -> FxView:
+               device: str = "cuda", mixed: bool = False) -> FxView:
     """The PrecisionGraph of ``gm`` for target dtype ``low`` (float16 or bfloat16).
 
     ``kept_conversions``: the model's own fp32 conversions to keep fp32 (node → reason);
     other fp32 conversions and factories are free, and retyped low when planned low.
-    ``device``: the device type the model will run on ('cuda', 'cpu', ...).
+    ``device``: the device type the model will run on ('cuda', 'cpu', ...). ``mixed``: a
+    view for ``core.multilabel.plan_mixed`` (``low`` fp16; bf16 tensors are values too, and
+    ``max_finite`` is bf16's: scalars beyond fp16 only make ``range_groups``).
     """
     return _Builder(gm, low, max_finite, keep_io_types, keep_fp32_modules or [],
-                    kept_conversions or {}, device).build()
+                    kept_conversions or {}, device, mixed).build()
