@@ -34,15 +34,19 @@ class _Terminated(KeyboardInterrupt):
 
 def _epilog() -> str:
     from amp_rewrite.core import LowDtype
+    from amp_rewrite.core.precision import MIXED
     from amp_rewrite.core.rules import ENV_FILES, RULE_CLASSES
-    from amp_rewrite.onnx.api import default_threshold
-    from amp_rewrite.onnx.validate import REL_TOLERANCE
+    from amp_rewrite.onnx.api import bf16_threshold, default_threshold
+    from amp_rewrite.onnx.validate import REL_TOLERANCE, default_tolerance
 
-    per_dtype = [(d, REL_TOLERANCE[d], default_threshold(d)) for d in LowDtype]
+    per_dtype = [(d.value, REL_TOLERANCE[d], default_threshold(d), "") for d in LowDtype]
+    per_dtype.append((MIXED, default_tolerance(MIXED), default_threshold(MIXED),
+                      f"  (bf16 above it, fp32 above {bf16_threshold():g})"))
     classes = ", ".join(c.value.upper() for c in RULE_CLASSES)
     return "\n".join([
         "defaults per --dtype:",
-        *(f"  {d.value:9} --tolerance {tol:g}  --threshold {thr:g}" for d, tol, thr in per_dtype),
+        *(f"  {d:9} --tolerance {tol:g}  --threshold {thr:g}{more}"
+          for d, tol, thr, more in per_dtype),
         "",
         "exit codes:",
         "  0  ok",
@@ -397,15 +401,18 @@ def _finish(args, result, out: Path | None, validation, seconds: float,
             _print_validation(validation, report.get("runs_on"))
 
 
-def _runs_on(args, result) -> str | None:
-    """Where a bf16 output runs when this onnxruntime cannot load it (validate.runtime_note)."""
+def _runs_on(args, result) -> dict | None:
+    """Which providers run a bf16 or mixed output: whether onnxruntime's CUDA provider has
+    a kernel for each 16-bit node (``validate.cuda_kernels``), and where this onnxruntime
+    cannot load it, why (``validate.runtime_note``)."""
     from amp_rewrite.core import LowDtype
     from amp_rewrite.onnx import validate
 
     low = args.options.dtype
-    if low is not LowDtype.BFLOAT16 or result.needs_external_data:
+    if low is LowDtype.FLOAT16:
         return None
-    return validate.runtime_note(result.proto(), low)
+    note = None if result.needs_external_data else validate.runtime_note(result.proto(), low)
+    return {**validate.cuda_kernels(result.model), "note": note}
 
 
 def _explain(result, name: str) -> None:
@@ -421,7 +428,7 @@ def _print_summary(r: dict, args) -> None:
     counts = r["precision_counts"]
     output = r["output"] or "not written (validation failed)"
     rows = [("output", output), ("dtype", r["dtype"]),
-            ("nodes low / high", f"{counts['low']} / {counts['high']}"),
+            _node_counts_row(r),
             ("casts inserted", r["casts_inserted"]),
             ("fused chains", ", ".join(f"{k.split('::')[-1]} {v}" for k, v in
                                        r.get("fused", {}).items()) or "none"),
@@ -438,8 +445,7 @@ def _print_summary(r: dict, args) -> None:
 
         threshold = (args.calibration_threshold if args.calibration_threshold is not None
                      else default_threshold(args.options.dtype))
-        rows.insert(3, ("pinned by calibration", f"{len(r['pinned_by_calibration'])} values "
-                                                 f"above {threshold:g} (kept fp32)"))
+        rows.insert(3, _calibration_row(r, threshold))
     if r.get("budget"):
         rows[3:3] = _budget_rows(r["budget"], r.get("pinned_by_budget") or [])
     if r.get("constants_kept_fp32"):
@@ -452,14 +458,67 @@ def _print_summary(r: dict, args) -> None:
                         f"{format_bytes_saved(low_io['bytes_saved'])} per run"))
     if r.get("opset_advice"):
         rows.insert(2, ("note", r["opset_advice"]))
+    if r.get("mixed"):
+        rows[3:3] = _mixed_rows(r["mixed"])
     if r.get("runs_on"):
-        rows.insert(2, ("runs on", r["runs_on"]))
+        rows.insert(2, ("runs on", _runs_on_text(r["runs_on"])))
     if r.get("opset_conversion"):
         rows.insert(2, ("opset", r["opset_conversion"]))
     if not r["modified"]:
         rows.insert(2, ("note", _nothing_to_change(counts)))
     width = max(len(k) for k, _ in rows)
     print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
+
+
+def _node_counts_row(r: dict) -> tuple[str, str]:
+    if r.get("dtype_counts"):
+        c = r["dtype_counts"]
+        return ("nodes fp16 / bf16 / fp32",
+                f"{c['float16']} / {c['bfloat16']} / {c['float32']}")
+    counts = r["precision_counts"]
+    return ("nodes low / high", f"{counts['low']} / {counts['high']}")
+
+
+def _calibration_row(r: dict, threshold: float) -> tuple[str, str]:
+    pinned = f"{len(r['pinned_by_calibration'])} values"
+    if r.get("mixed") is None:
+        return ("pinned by calibration", f"{pinned} above {threshold:g} (kept fp32)")
+    from amp_rewrite.onnx.api import bf16_threshold
+
+    hot = len(r["mixed"].get("bf16_by_calibration", []))
+    return ("calibration", f"{hot} values above {threshold:g} (their nodes run bf16), "
+                           f"{pinned} above {bf16_threshold():g} (kept fp32)")
+
+
+def _mixed_rows(m: dict) -> list[tuple[str, str]]:
+    """A mixed plan's lines: GEMM-weighted FLOPs per dtype, the casts between the two low
+    dtypes, and the solver's verdict."""
+    casts = m.get("cast_bytes", {})
+    between = sum(casts.get(k, 0) for k in ("float16->bfloat16", "bfloat16->float16"))
+    solver = m.get("solver", {})
+    rows = [("cast bytes fp16<->bf16", f"{between} B (all casts: "
+                                       f"{sum(casts.values())} B planned)"),
+            ("solver", f"{solver.get('status', '?')}, gap {solver.get('gap', 0):g}, "
+                       f"{solver.get('seconds', 0):.2f} s")]
+    share = m.get("flop_share")
+    if share:
+        rows.insert(0, ("FLOPs fp16 / bf16 / fp32",
+                        f"{share['float16']:.1%} / {share['bfloat16']:.1%} / "
+                        f"{share['float32']:.1%}"))
+    return rows
+
+
+def _runs_on_text(runs_on: dict) -> str:
+    cuda = runs_on.get("CUDAExecutionProvider")
+    if cuda is None:
+        text = f"CUDA kernels unknown ({runs_on.get('unknown')})"
+    elif cuda:
+        text = "CUDAExecutionProvider has a kernel for every 16-bit node"
+    else:
+        missing = runs_on["missing"]
+        text = (f"CUDAExecutionProvider lacks {len(missing)} kernel(s): "
+                f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
+    return f"{text}; {runs_on['note']}" if runs_on.get("note") else text
 
 
 def _budget_rows(b: dict, pinned: list) -> list[tuple[str, str]]:
@@ -495,9 +554,9 @@ def _padded_row(padding: dict) -> str:
             f"{padding.get('slices_inserted', 0)} Slice)")
 
 
-def _print_validation(validation, runs_on: str | None = None) -> None:
+def _print_validation(validation, runs_on: dict | None = None) -> None:
     errors, tol = validation.errors, validation.tolerance
-    if runs_on:
+    if runs_on and runs_on.get("note"):
         print("validated in onnx.reference: bfloat16 targets GPU providers")
     print(f"{'output':<24} {'max abs':>10} {'max rel':>10}  status (tolerance {tol:g})")
     for e in errors:

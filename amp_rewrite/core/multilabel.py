@@ -120,13 +120,17 @@ def label_sets(graph: PrecisionGraph, rules: RuleSet, *,
                keep_fp32=(), pins: Mapping[Hashable, str] | None = None,
                low_pins: Mapping[Hashable, str] | None = None,
                fp16_wide_values: Mapping[Hashable, str] | None = None,
-               wide_values: Mapping[Hashable, str] | None = None) -> dict[Hashable, Allowed]:
+               wide_values: Mapping[Hashable, str] | None = None,
+               range_groups: Mapping[Hashable, str] | None = None
+               ) -> dict[Hashable, Allowed]:
     """``allowed_labels`` of every group, from the constraints ``plan.plan_precision`` applies.
 
     ``adapter_dtypes``: the dtype of each group the adapter fixed (missing: fp32 for HIGH,
     fp16 for LOW); ``fp16_wide_values``: values fp16 cannot hold (their readers need range);
-    ``wide_values``: values bf16 cannot hold either (their readers run fp32). The other
-    arguments are ``plan_precision``'s.
+    ``wide_values``: values bf16 cannot hold either (their readers run fp32);
+    ``range_groups``: group → why it needs range itself (a value calibration saw beyond
+    fp16 is written or read by it: producers too, which ``fp16_wide_values`` leaves out).
+    The other arguments are ``plan_precision``'s.
     """
     adapter_dtypes = adapter_dtypes or {}
     classes = constraints.classify_groups(graph, rules)
@@ -143,6 +147,9 @@ def label_sets(graph: PrecisionGraph, rules: RuleSet, *,
     if wide_values:
         fixes.update(constraints.range_fixes(graph, classes, wide_values))
     needs = constraints.range_fixes(graph, classes, fp16_wide_values) if fp16_wide_values else {}
+    for key, why in (range_groups or {}).items():
+        if graph.group(key).fixed is None and key not in needs:
+            needs[key] = constraints.Fix(Precision.HIGH, why)
     for key, entry in by_rule.items():
         if fixes.get(key) is not None and fixes[key].reason.startswith("allow"):
             why = f"range: {entry.reason} [{entry.source}]"
@@ -703,15 +710,15 @@ def plan_mixed(graph: PrecisionGraph, rules: RuleSet, *,
                low_pins: Mapping[Hashable, str] | None = None,
                fp16_wide_values: Mapping[Hashable, str] | None = None,
                wide_values: Mapping[Hashable, str] | None = None, savings_weight: float = 0.0,
-               free: placement.FreeReads = frozenset(), time_limit_s: float = 10.0
-               ) -> PrecisionPlan:
+               free: placement.FreeReads = frozenset(), time_limit_s: float = 10.0,
+               range_groups: Mapping[Hashable, str] | None = None) -> PrecisionPlan:
     """The three-label plan as a ``PrecisionPlan`` the adapters apply: fp16 and bf16 groups
     are LOW with their ``label``, casts carry the dtype they convert to, ``solver`` the
     status and gap. ``admissible``: per group the labels its kernel or schema takes (missing:
     all); the rest as ``label_sets``."""
     sets = label_sets(graph, rules, adapter_dtypes=adapter_dtypes, keep_fp32=keep_fp32,
                       pins=pins, low_pins=low_pins, fp16_wide_values=fp16_wide_values,
-                      wide_values=wide_values)
+                      wide_values=wide_values, range_groups=range_groups)
     if admissible:
         sets = {k: _admitted(a, admissible.get(k)) for k, a in sets.items()}
     plan = plan_labels(graph, sets, savings_weight=savings_weight, free=free,

@@ -14,6 +14,7 @@ import onnx
 import onnx_ir as ir
 
 from amp_rewrite.core import LowDtype
+from amp_rewrite.core.precision import MIXED
 from amp_rewrite.core.report import Report, explain
 from amp_rewrite.errors import ModelError, OutputCheckError, first_line
 from amp_rewrite.onnx import repair, save, versions
@@ -80,9 +81,15 @@ class RewriteResult:
         return save.save_proto(self.proto(), output, keep)
 
 
-def default_threshold(dtype: LowDtype) -> float:
-    """Calibration pins values above 1/16 of the fp16 range: headroom for later growth."""
-    return 4096.0 if dtype is LowDtype.FLOAT16 else 1e37
+def default_threshold(dtype: LowDtype | str) -> float:
+    """Calibration pins values above 1/16 of the fp16 range: headroom for later growth.
+    A mixed plan's threshold is fp16's: values above it run bf16 (``bf16_threshold``)."""
+    return 1e37 if dtype is LowDtype.BFLOAT16 else 4096.0
+
+
+def bf16_threshold() -> float:
+    """Where a mixed plan pins values fp32: bf16's own calibration threshold."""
+    return default_threshold(LowDtype.BFLOAT16)
 
 
 def rewrite_onnx_model(source: Source, *, progress=None, **options) -> RewriteResult:
@@ -92,7 +99,9 @@ def rewrite_onnx_model(source: Source, *, progress=None, **options) -> RewriteRe
     with its default, check and help, listed below), checked here. Constants the low dtype
     cannot hold keep their readers fp32 (the report's ``constants_kept_fp32``). bf16 on a
     model whose opset does not admit it for compute ops converts the opset first (the
-    report's ``opset_conversion``). ``progress(done, error)`` is called after each plan
+    report's ``opset_conversion``); ``dtype="mixed"`` never converts it (each node takes
+    fp16, bf16 or fp32 from one exact plan, as its schema at that opset admits; the report's
+    ``mixed`` and each node's ``dtype``). ``progress(done, error)`` is called after each plan
     the accuracy budget measures.
     """
     return rewrite_checked(source, RewriteOptions.of(options), progress)
@@ -108,7 +117,8 @@ def rewrite_checked(source: Source, opts: RewriteOptions, progress=None) -> Rewr
         if opts.opset is not None:
             loaded = _converted(loaded, opts.opset)
         pinned = _calibrate(loaded, low, opts.calibration_data, opts.calibration_threshold)
-        options = OnnxOptions.from_rewrite(opts, pinned)
+        pinned, hot = _split_for_mixed(pinned) if low == MIXED else (pinned, {})
+        options = OnnxOptions.from_rewrite(opts, pinned, hot)
         rules_ = onnx_rules(options.rules)
         loaded, conversion = _low_dtype_opset(loaded, low, rules_, opts.opset, opts.keep_opset)
         _check_cast_opset(loaded)
@@ -162,7 +172,8 @@ def _held_out_on_runtime(result: RewriteResult, outcome) -> dict:
     from amp_rewrite.core.metric import Difference
     from amp_rewrite.onnx import validate
 
-    if result.pass_.options.dtype is not LowDtype.FLOAT16 or result.needs_external_data:
+    options = result.pass_.options
+    if options.plan_dtype != LowDtype.FLOAT16.value or result.needs_external_data:
         return {"held_out_onnxruntime": None}
     errors, _ = validate.validate(outcome.fp32, result.proto(), LowDtype.FLOAT16,
                                   feeds=outcome.held_feeds)
@@ -297,7 +308,15 @@ def _full_check_error(source) -> Exception | None:
     return None
 
 
-def _calibrate(loaded: LoadedModel, low: LowDtype, data, threshold) -> dict[str, float]:
+def _split_for_mixed(hot: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
+    """(values beyond bf16's threshold: pinned fp32, the others: their nodes run bf16)."""
+    limit = bf16_threshold()
+    return ({k: m for k, m in hot.items() if m > limit},
+            {k: m for k, m in hot.items() if m <= limit})
+
+
+def _calibrate(loaded: LoadedModel, low: LowDtype | str, data,
+               threshold) -> dict[str, float]:
     if data is None:
         return {}
     from amp_rewrite.onnx import validate

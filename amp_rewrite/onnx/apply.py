@@ -3,7 +3,12 @@
 Steps: retype the outputs of low groups (and the attributes that set them), convert constants
 read only at low precision, insert one Cast per planned (value, dtype), right after the
 producer and shared by its consumers, then bypass the model's casts that the retyping turned
-into identities. Constants need no runtime Cast: a converted copy is stored instead. Nodes the
+into identities. Constants need no runtime Cast: a converted copy is stored instead.
+
+Every dtype is read through ``plan.label`` / ``plan.cast_label``: a two-label plan answers
+with the view's low dtype, a mixed plan (core/multilabel.py) with each group's own, fp16 or
+bf16, so an fp16→bf16 Cast and a constant stored once per dtype its readers want come from
+the same steps. Nodes the
 pass creates carry ``amp_rewrite.inserted`` and a reason in metadata_props; retyped nodes carry
 nothing (their reasons are in the report, which keeps large files small).
 """
@@ -19,9 +24,9 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from amp_rewrite.core import CastPlan, Precision, PrecisionPlan
+from amp_rewrite.core import CastPlan, PrecisionPlan
+from amp_rewrite.core.precision import Label
 from amp_rewrite.onnx import convert
-from amp_rewrite.onnx.ports import to_ir_dtype
 from amp_rewrite.onnx.view import (FLOAT32_SENTINEL, INSERTED_TAG, SMALL_TENSOR_BYTES, OnnxView,
                                    SmallFloat32, cast_dtypes)
 
@@ -71,16 +76,34 @@ class _Namer:
         return name
 
 
+_IR_DTYPES = {Label.FP32: ir.DataType.FLOAT, Label.FP16: ir.DataType.FLOAT16,
+              Label.BF16: ir.DataType.BFLOAT16}
+
+
+class _Dtypes:
+    """The onnx dtype of each group and cast of ``plan`` (``plan.label``: the view's low
+    dtype answers for a two-label plan)."""
+
+    def __init__(self, plan: PrecisionPlan, view: OnnxView) -> None:
+        self.plan, self.low = plan, view.low.label
+
+    def of(self, group: Hashable) -> ir.DataType:
+        return _IR_DTYPES[self.plan.label(group, self.low)]
+
+    def of_cast(self, cast: CastPlan) -> ir.DataType:
+        return _IR_DTYPES[self.plan.cast_label(cast, self.low)]
+
+
 def apply_plan(model: ir.Model, view: OnnxView, plan: PrecisionPlan) -> ApplyStats:
     stats = ApplyStats()
-    low_ir = to_ir_dtype(view.low)
+    dtypes = _Dtypes(plan, view)
     namer = _Namer.of_graphs(view.graphs)
     # overflow is clamped and counted by ``_convert``, never a warning
     with np.errstate(over="ignore"):
-        _retype_groups(view, plan, low_ir, stats)
-        _convert_sources(view, plan, low_ir, stats)
+        _retype_groups(view, dtypes, stats)
+        _convert_sources(view, dtypes, stats)
         for cast in plan.casts:
-            _insert_cast(view, cast, low_ir, namer, stats)
+            _insert_cast(view, cast, dtypes.of_cast(cast), namer, stats)
     _bypass_identity_casts(view.model_casts, stats)
     return stats
 
@@ -98,14 +121,9 @@ def _bypass_identity_casts(casts: list[tuple[ir.Node, tuple]], stats: ApplyStats
         stats.identity_casts_removed += 1
 
 
-def _dtype(precision: Precision, low_ir: ir.DataType) -> ir.DataType:
-    return low_ir if precision is Precision.LOW else ir.DataType.FLOAT
-
-
-def _retype_groups(view: OnnxView, plan: PrecisionPlan, low_ir, stats: ApplyStats) -> None:
+def _retype_groups(view: OnnxView, dtypes: _Dtypes, stats: ApplyStats) -> None:
     for key, (node, pg) in view.groups.items():
-        decision = plan.decisions[key]
-        target = _dtype(decision.precision, low_ir)
+        target = dtypes.of(key)
         changed = [node.outputs[o] for o in pg.outputs if node.outputs[o].dtype != target]
         if not changed and not _attribute_differs(node, pg, target):
             continue
@@ -115,7 +133,7 @@ def _retype_groups(view: OnnxView, plan: PrecisionPlan, low_ir, stats: ApplyStat
             _set_type_attribute(node, pg.retype_attribute, target)
         stats.nodes_retyped += 1
     for key, (node, tie) in view.ties.items():
-        target = _dtype(plan.decisions[key].precision, low_ir)
+        target = dtypes.of(key)
         changed = [v for v in tie.writes(node) if v.dtype != target]
         for value in changed:
             value.dtype = target
@@ -162,10 +180,20 @@ def _convert(array: np.ndarray, target: ir.DataType) -> tuple[np.ndarray, int]:
     return clamped, int((over & (np.abs(array) != FLOAT32_SENTINEL)).sum())
 
 
-def _convert_sources(view: OnnxView, plan: PrecisionPlan, low_ir, stats: ApplyStats) -> None:
-    decisions = plan.decisions
-    low = [(value, node) for key, (g, value, node) in view.sources.items()
-           if decisions[key].precision is Precision.LOW and value.dtype != low_ir]
+def _convert_sources(view: OnnxView, dtypes: _Dtypes, stats: ApplyStats) -> None:
+    """Sources (constants, graph inputs) stored in their group's low dtype, one dtype at a
+    time (the small ones are converted together per dtype)."""
+    by_dtype: dict[ir.DataType, list] = {}
+    for key, (g, value, node) in view.sources.items():
+        target = dtypes.of(key)
+        if target != ir.DataType.FLOAT and value.dtype != target:
+            by_dtype.setdefault(target, []).append((value, node))
+    for low_ir, low in by_dtype.items():
+        _convert_low_sources(view, low, low_ir, stats)
+
+
+def _convert_low_sources(view: OnnxView, low: list[tuple[ir.Value, ir.Node | None]],
+                         low_ir: ir.DataType, stats: ApplyStats) -> None:
     converted, elements = _small_initializers_converted(view, low, low_ir)
     for value, tensor in converted.items():
         value.const_value = tensor
@@ -287,10 +315,9 @@ def _count_conversion(value: ir.Value, elements: int, clamped: int, stats, dtype
         logger.warning("clamped %d values of %s to the %s range", clamped, value.name, dtype)
 
 
-def _insert_cast(view: OnnxView, cast: CastPlan, low_ir, namer: _Namer,
+def _insert_cast(view: OnnxView, cast: CastPlan, target: ir.DataType, namer: _Namer,
                  stats: ApplyStats) -> None:
     value = cast.value
-    target = _dtype(cast.to, low_ir)
     source = view.sources.get(("source", value))
     from_dtype = value.dtype
     suffix = "f32" if target == ir.DataType.FLOAT else ir.DataType(target).name.lower()
@@ -343,11 +370,17 @@ def _cast_node(value: ir.Value, target: ir.DataType, out_name: str, cast: CastPl
                    shape=value.shape.copy() if value.shape is not None else None)
     node = ir.Node("", "Cast", [value], [ir.AttrInt64("to", target)], outputs=[out],
                    name=f"amp_cast_{out_name}",
-                   metadata_props={INSERTED_TAG: "cast", REASON_KEY:
-                                   f"{len(cast.consumers)} consumer(s) need {cast.to.value} "
-                                   "precision (exact min-cut placement)"})
+                   metadata_props={INSERTED_TAG: "cast", REASON_KEY: _cast_reason(cast)})
     insert_after_producer(node, value, source[0] if source is not None else value.graph)
     return out
+
+
+def _cast_reason(cast: CastPlan) -> str:
+    if cast.label is None:
+        return (f"{len(cast.consumers)} consumer(s) need {cast.to.value} precision "
+                "(exact min-cut placement)")
+    return (f"{len(cast.consumers)} consumer(s) run {cast.label.value} (exact three-label "
+            "placement)")
 
 
 def insert_after_producer(node: ir.Node, value: ir.Value, graph: ir.Graph) -> None:

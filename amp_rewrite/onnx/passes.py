@@ -19,10 +19,13 @@ from amp_rewrite.core import (LowDtype, PadPolicy, PrecisionPlan, RuleSet, load_
                               plan_precision)
 from amp_rewrite.core import pipeline as core_pipeline
 from amp_rewrite.core.pipeline import Pass
-from amp_rewrite.core.report import Reasons, Report, node_records
+from amp_rewrite.core.multilabel import plan_mixed
+from amp_rewrite.core.precision import MIXED
+from amp_rewrite.core.report import Reasons, Report, mixed_summary, node_records
 from amp_rewrite.onnx.load import LoadInfo, model_graphs
 from amp_rewrite.onnx.apply import ApplyStats, apply_plan
 from amp_rewrite.core.rules import close_match
+from amp_rewrite.onnx.mixed import MixedInputs, group_flops, hot_groups, mixed_inputs
 from amp_rewrite.onnx.pad import PadStats, pad_model, pad_report
 from amp_rewrite.onnx.fusion import FUSED_TAG, FusionPass
 from amp_rewrite.onnx.view import INSERTED_TAG, OnnxView, build_view
@@ -52,16 +55,30 @@ class OnnxOptions:
     # node name -> reason: pinned fp32 / run low by the accuracy budget (onnx/budget.py)
     budget_pins: Mapping[str, str] = field(default_factory=dict)
     budget_low: Mapping[str, str] = field(default_factory=dict)
+    # a mixed plan (core/multilabel.py): ``dtype`` is the view's (fp16); ``pinned_values``
+    # are those beyond bf16's threshold, ``hot_values`` those beyond fp16's only (bf16)
+    mixed: bool = False
+    hot_values: Mapping[str, float] = field(default_factory=dict)
 
     @classmethod
-    def from_rewrite(cls, options, pinned_values: Mapping[str, float]) -> OnnxOptions:
+    def from_rewrite(cls, options, pinned_values: Mapping[str, float],
+                     hot_values: Mapping[str, float] | None = None) -> OnnxOptions:
         """The pass's options from the user's (``onnx/options.RewriteOptions``) and the
-        values calibration found beyond its threshold."""
+        values calibration found beyond its threshold (mixed: beyond bf16's, and
+        ``hot_values`` beyond fp16's only)."""
         pad = options.pad
-        return cls(options.dtype, options.keep_io_types, options.rules, options.keep_fp32,
-                   pinned_values, options.savings_weight, options.clamp_constants,
-                   pad=bool(pad), pad_policy=pad if isinstance(pad, PadPolicy) else None,
-                   fuse=options.fuse, target=options.target, low_io=options.low_io)
+        mixed = options.dtype == MIXED
+        return cls(LowDtype.FLOAT16 if mixed else options.dtype, options.keep_io_types,
+                   options.rules, options.keep_fp32, pinned_values, options.savings_weight,
+                   options.clamp_constants, pad=bool(pad),
+                   pad_policy=pad if isinstance(pad, PadPolicy) else None,
+                   fuse=options.fuse, target=options.target, low_io=options.low_io,
+                   mixed=mixed, hot_values=dict(hot_values or {}))
+
+    @property
+    def plan_dtype(self) -> str:
+        """What the report calls the plan: float16, bfloat16 or mixed."""
+        return MIXED if self.mixed else self.dtype.value
 
 
 @dataclass
@@ -101,6 +118,8 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
         self.low_io: dict = {}
         # (group key -> reason) fixed high, and fixed low, by the options (``prepare``)
         self.option_pins: tuple[dict, dict] = ({}, {})
+        self.mixed_inputs: MixedInputs | None = None  # a mixed plan's, once per view
+        self.flops: dict = {}  # a mixed plan's FLOPs per group (the report's shares)
         self.pad_stats = PadStats()
         self.record = core_pipeline.Record()
         self._graphs: list[ir.Graph] | None = None
@@ -146,7 +165,10 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
                                keep_io_types=self.options.keep_io_types, graphs=self._graphs,
                                clamp_constants=self.options.clamp_constants,
                                low_io=self.options.low_io,
-                               inferred_sizes=self.info.inferred_sizes)
+                               inferred_sizes=self.info.inferred_sizes,
+                               mixed=self.options.mixed)
+        if self.options.mixed:
+            self.mixed_inputs = mixed_inputs(self.view, self.options.hot_values)
         if self.options.low_io:
             self.low_io = low_io_report(model, self.options.low_io)
         # once per view: the accuracy-budget search re-plans with them many times
@@ -158,6 +180,8 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
     def _plan_and_apply(self, model: ir.Model) -> bool:
         self.plan = self.plan_view()
         _warn_unmatched_patterns(self.options.keep_fp32, self.view)
+        if self.options.mixed:  # from the shapes before apply puts casts between the nodes
+            self.flops = group_flops(self.view, self.info.inferred_sizes)
         self.stats = apply_plan(model, self.view, self.plan)
         return self.stats.modified
 
@@ -170,11 +194,25 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
         """The plan of the prepared view; ``extra_pins`` / ``low_pins``: group key -> reason,
         fixed high / low besides the options' (the accuracy-budget search re-plans with them)."""
         pins, low = self.option_pins
+        pins, low = {**pins, **(extra_pins or {})}, {**low, **(low_pins or {})}
+        if self.options.mixed:
+            return self._plan_mixed(pins, low)
         return plan_precision(self.view.graph, self.rules, keep_fp32=self.options.keep_fp32,
-                              pins={**pins, **(extra_pins or {})},
-                              low_pins={**low, **(low_pins or {})},
+                              pins=pins, low_pins=low,
                               savings_weight=self.options.savings_weight,
                               wide_values=self.view.wide_values)
+
+    def _plan_mixed(self, pins: Mapping, low_pins: Mapping) -> PrecisionPlan:
+        """fp16, bf16 or fp32 per group, one exact plan (core/multilabel.py); calibration's
+        values beyond bf16 are in ``pins`` (``_pins``), those beyond fp16 only make their
+        producers and readers need range (``onnx/mixed.py``)."""
+        m = self.mixed_inputs
+        return plan_mixed(self.view.graph, self.rules, admissible=m.admissible,
+                          adapter_dtypes=m.adapter_dtypes, keep_fp32=self.options.keep_fp32,
+                          pins={**m.pins, **pins}, low_pins=low_pins,
+                          fp16_wide_values=m.fp16_wide_values, wide_values=m.wide_values,
+                          range_groups=m.range_groups,
+                          savings_weight=self.options.savings_weight)
 
     @property
     def modified(self) -> bool:
@@ -189,29 +227,15 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
         pins = {k: self.options.budget_pins[node.name]
                 for k, (node, _) in self.view.groups.items()
                 if node.name in self.options.budget_pins}
-        hot = self.options.pinned_values
-        if not hot:
-            return pins
-        groups = [(k, node.outputs, pg.outputs, node.inputs, pg.inputs)
-                  for k, (node, pg) in self.view.groups.items()]
-        groups += [(k, node.outputs, tie.outputs, node.inputs, tie.inputs)
-                   for k, (node, tie) in self.view.ties.items()]
-        for key, outputs, out_ports, inputs, in_ports in groups:
-            why = _hot_port(hot, outputs, out_ports, "its output") or _hot_port(
-                hot, inputs, in_ports, "its input")
-            if why:
-                pins[key] = f"calibration saw {why}: kept fp32"
-        for key, (g, index) in self.view.sinks.items():
-            name = g.outputs[index].name
-            if name in hot:
-                pins[key] = f"calibration saw |{name}| up to {hot[name]:.4g}: output kept fp32"
+        for key, why in hot_groups(self.view, self.options.pinned_values).items():
+            pins[key] = f"calibration saw {why}: kept fp32"
         return pins
 
     def report(self) -> Report:
         """Per-node decisions and totals (the ``--report`` JSON schema)."""
         s = self.stats
         return Report(
-            self.options.dtype.value, node_records(self.plan, self.view.graph),
+            self.options.plan_dtype, node_records(self.plan, self.view.graph),
             s.casts_inserted, self.plan.cast_units, s.nodes_retyped, self.modified,
             padding=pad_report(self.pad_stats) if self.options.pad else {"enabled": False},
             fused=dict(self.fusion.fused) if self.fusion else {},
@@ -221,8 +245,16 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
                 sorted(self.view.wide_values.values()), sorted(self.options.pinned_values),
                 s.inserted_casts, self.opset_advice(), self.low_io,
                 dict(self.fusion.rule_hits) if self.fusion else {}),
+            mixed=self._mixed_section() if self.options.mixed else None,
             steps=self.record.as_report(),
             why=Reasons(self.plan, self.view.graph, self._fused_by))
+
+    def _mixed_section(self) -> dict:
+        """The report's ``mixed``: core/report.mixed_summary with FLOPs from the shapes, and
+        the values calibration saw beyond fp16 (their nodes run bf16)."""
+        section = mixed_summary(self.plan, self.view.graph, self.flops)
+        section["bf16_by_calibration"] = sorted(self.options.hot_values)
+        return section
 
     def opset_advice(self) -> str | None:
         """What to do when most compute stays fp32 because the model's opset does not admit
@@ -319,14 +351,6 @@ def known_op_keys() -> frozenset[str]:
         domain = "" if schema.domain in ("", "ai.onnx") else schema.domain
         keys.add(f"{domain}::{schema.name}" if domain else schema.name)
     return frozenset(keys)
-
-
-def _hot_port(hot: Mapping[str, float], values, ports, role: str) -> str | None:
-    for i in ports:
-        name = values[i].name
-        if name in hot:
-            return f"|{name}| up to {hot[name]:.4g} ({role})"
-    return None
 
 
 def infer_missing_types(model: ir.Model, graphs: list[ir.Graph] | None = None) -> None:

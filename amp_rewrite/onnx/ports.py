@@ -14,6 +14,7 @@ import onnx
 import onnx_ir as ir
 
 from amp_rewrite.core import LowDtype
+from amp_rewrite.core.precision import Label
 
 # Ops whose output type comes from an attribute; their type variables are independent.
 RETYPE_ATTRIBUTE = {
@@ -387,3 +388,24 @@ def first_opset_admitting(domain: str, op_type: str, low: LowDtype, after: int) 
         if f"tensor({low.value})" in allowed.get(tvar, ()):
             return opset
     return None
+
+
+_LABEL_TYPES = ((Label.FP16, "tensor(float16)"), (Label.BF16, "tensor(bfloat16)"))
+
+
+@functools.lru_cache(maxsize=4096)
+def admitted_labels(domain: str, op_type: str, opset: int,
+                    tvars: tuple[str, ...]) -> frozenset[Label]:
+    """The dtypes a port group's type variables all admit at ``opset`` (fp32 always): what
+    a mixed plan may give the group. A mixed plan never converts the opset, so Conv at
+    opset 18 takes fp16 or fp32, not bf16 (``--dtype bf16`` converts instead). An op
+    without a schema here (a custom op) is left to the rules: every dtype."""
+    schema = _schema(domain, op_type, opset)
+    if schema is None or tvars == ("*",):
+        return frozenset(Label)
+    allowed = {tc.type_param_str: tc.allowed_type_strs for tc in schema.type_constraints}
+    admitted = {Label.FP32}
+    for label, type_str in _LABEL_TYPES:
+        if all(type_str in allowed.get(t, (type_str,)) for t in tvars):
+            admitted.add(label)
+    return frozenset(admitted)

@@ -233,10 +233,11 @@ def run(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray],
     return dict(zip(names, sess.run(None, dict(feeds))))
 
 
-def runtime_note(model: onnx.ModelProto, dtype: LowDtype) -> str | None:
-    """Where a bf16 output runs, when the installed onnxruntime cannot load it (its CPU
-    provider has no bf16 kernel for most ops: Gemm, Where, Add, Expand, ...); else None."""
-    if dtype is not LowDtype.BFLOAT16:
+def runtime_note(model: onnx.ModelProto, dtype: LowDtype | str) -> str | None:
+    """Where a bf16 (or mixed) output runs, when the installed onnxruntime cannot load it
+    (its CPU provider has no bf16 kernel for most ops: Gemm, Where, Add, Expand, ...); else
+    None."""
+    if dtype is LowDtype.FLOAT16:
         return None
     import onnxruntime as ort
 
@@ -440,8 +441,14 @@ def _validation_inputs(fp32: onnx.ModelProto, feeds) -> tuple[onnx.ModelProto, d
     return fp32, dict(feeds), "the given inputs"
 
 
-def _tolerance(dtype: LowDtype, tolerance: float | None) -> float:
-    return REL_TOLERANCE[dtype] if tolerance is None else tolerance
+def default_tolerance(dtype: LowDtype | str) -> float:
+    """The relative error ``--validate`` accepts by default: the low dtype's; a mixed plan's
+    is bf16's, the coarser dtype it may run."""
+    return REL_TOLERANCE.get(dtype, REL_TOLERANCE[LowDtype.BFLOAT16])
+
+
+def _tolerance(dtype: LowDtype | str, tolerance: float | None) -> float:
+    return default_tolerance(dtype) if tolerance is None else tolerance
 
 
 def _compare_by_position(reference: Mapping[str, np.ndarray],
@@ -483,16 +490,18 @@ class Overflow:
     value: str  # the FP32 model's name of the value
     fp32_max: float | None  # max finite |x| of that value in the FP32 run (None: no twin)
     readers: tuple[str, ...] = ()  # an inserted cast's readers
+    dtype: str = ""  # the dtype it overflows (float16, bfloat16): a mixed plan has both
 
     @property
     def keep_fp32(self) -> tuple[str, ...]:
         return self.readers or (self.node,)
 
-    def describe(self, dtype: LowDtype) -> str:
+    def describe(self, dtype: LowDtype | str) -> str:
         peak = "" if self.fp32_max is None else f" (FP32 max |x| {self.fp32_max:.3g})"
+        to = self.dtype or getattr(dtype, "value", dtype)
         if self.readers:
             named = ", ".join(repr(r) for r in self.readers if r) or "its readers"
-            return f"the cast of {self.value!r}{peak} to {dtype.value} for {named}"
+            return f"the cast of {self.value!r}{peak} to {to} for {named}"
         return f"{self.op_type} {self.node or self.value!r}{peak}"
 
 
@@ -504,7 +513,7 @@ class Validation:
 
     errors: list[OutputError]
     tolerance: float
-    dtype: LowDtype
+    dtype: LowDtype | str  # or "mixed"
     overflows: list[Overflow]
     overflowed_outputs: list[str]
     origin: str  # where the inputs came from
@@ -515,13 +524,15 @@ class Validation:
 
     def overflow_summary(self) -> str:
         """One line: the first overflowing nodes and the outputs they reach."""
-        low = self.dtype.value
+        dtypes = sorted({o.dtype for o in self.overflows} - {""}) or [self.dtype.value]
+        low = "/".join(dtypes)
         shown = "; ".join(o.describe(self.dtype) for o in self.overflows[:3])
         more = f" and {len(self.overflows) - 3} more" if len(self.overflows) > 3 else ""
         outputs = ", ".join(map(repr, self.overflowed_outputs))
+        holds = ", ".join(f"{d} holds ±{_low_max(LowDtype(d)):.5g}" for d in dtypes)
         return (f"{low} overflow at {shown}{more}: inf/NaN where the FP32 model is finite "
-                f"({low} holds ±{_low_max(self.dtype):.5g}), reaching output(s) {outputs} "
-                f"when each op rounds to {low} as a GPU does ({self.origin})")
+                f"({holds}), reaching output(s) {outputs} when each op rounds to its dtype "
+                f"as a GPU does ({self.origin})")
 
     def overflow_fix(self) -> str:
         """What to pass instead: real inputs for calibration, or the nodes kept fp32."""
@@ -529,7 +540,8 @@ class Validation:
         keep_flag = f"--keep-fp32 {shlex.quote(','.join(map(_fnmatch_literal, keep)))}"
         if self.origin == "random inputs":
             calibrate = (f"pass real inputs with --calibrate DATA.npz (nodes they drive "
-                         f"beyond the {self.dtype.value} range stay fp32)")
+                         f"beyond the {getattr(self.dtype, 'value', self.dtype)} range "
+                         f"stay fp32)")
             return f"{calibrate}, or {keep_flag}" if keep else calibrate
         return f"{keep_flag}, or a lower --threshold" if keep else "a lower --threshold"
 
@@ -547,7 +559,7 @@ def _fnmatch_literal(name: str) -> str:
     return fnmatch_literal(name)
 
 
-def validate_rewrite(fp32: onnx.ModelProto, mixed: onnx.ModelProto, dtype: LowDtype,
+def validate_rewrite(fp32: onnx.ModelProto, mixed: onnx.ModelProto, dtype: LowDtype | str,
                      feeds: Mapping[str, np.ndarray] | None = None,
                      tolerance: float | None = None) -> Validation:
     """``validate``, plus the rewritten model run per op in onnx.reference, every op rounding
@@ -557,7 +569,8 @@ def validate_rewrite(fp32: onnx.ModelProto, mixed: onnx.ModelProto, dtype: LowDt
     FP32 model's value is finite, and from which that reaches a graph output, is an
     ``Overflow``; one the graph absorbs (a masked score the softmax zeroes) is not.
 
-    One reference run serves both checks where onnxruntime lacks kernels (bfloat16), and the
+    One reference run serves both checks where onnxruntime lacks kernels (bfloat16, and a
+    mixed plan's bf16 nodes: ``dtype`` "mixed", each node rounding to its own dtype), and the
     one FP32 run also fetches the FP32 values of whatever the reference run finds non-finite.
     Where onnx.reference cannot run the model, only ``validate``'s comparison is made (a
     warning says so)."""
@@ -587,7 +600,7 @@ class _PerOpRun:
 
     outputs: dict[str, np.ndarray] | None = None
     nonfinite: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
-    low: set[str] = dataclasses.field(default_factory=set)
+    low: dict[str, str] = dataclasses.field(default_factory=dict)  # name -> its low dtype
     skipped: str | None = None
 
 
@@ -614,7 +627,7 @@ def _per_op_run(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> _Per
             if bad.any():
                 run_.nonfinite[name] = bad
                 if value.dtype in LOW_FLOATS:
-                    run_.low.add(name)
+                    run_.low[name] = value.dtype.name
     return run_
 
 
@@ -685,7 +698,8 @@ def _overflows(graph: onnx.GraphProto, low: _PerOpRun, fp32: Mapping[str, np.nda
                if starts.get(o.name, frozenset()) & low_starts.keys()]
     first = sorted(frozenset().union(*(starts[graph.output[j].name] for j in reached))
                    & low_starts.keys())
-    return [_overflow(graph, graph.node[i], low_starts[i], fp32, twins) for i in first], reached
+    return [_overflow(graph, graph.node[i], low_starts[i], fp32, twins, low)
+            for i in first], reached
 
 
 def _newly_nonfinite(mask: np.ndarray, fp32_value: np.ndarray | None, default: bool) -> bool:
@@ -698,14 +712,15 @@ def _newly_nonfinite(mask: np.ndarray, fp32_value: np.ndarray | None, default: b
 
 
 def _overflow(graph: onnx.GraphProto, node: onnx.NodeProto, value: str,
-              fp32: Mapping[str, np.ndarray], twins: _FP32Twins) -> Overflow:
+              fp32: Mapping[str, np.ndarray], twins: _FP32Twins, low: _PerOpRun) -> Overflow:
     from amp_rewrite.onnx.view import INSERTED_TAG
 
     twin = twins.of(value)
     peak = _finite_max(fp32[twin]) if twin in fp32 else None
     inserted = any(p.key == INSERTED_TAG for p in node.metadata_props)
     readers = tuple(n.name for n in graph.node if value in n.input) if inserted else ()
-    return Overflow(node.name, node.op_type, twin or value, peak, readers)
+    return Overflow(node.name, node.op_type, twin or value, peak, readers,
+                    low.low.get(value, ""))
 
 
 def _finite_max(a: np.ndarray) -> float | None:
@@ -731,3 +746,85 @@ def value_maxima(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dic
                          f"calibration data ({first_line(e)[:300]})") from None
     return {v.name: float(np.nanmax(np.abs(o))) if o.size else 0.0
             for v, o in zip(extra, outputs)}
+
+
+# -- which providers can run the output ----------------------------------------------------
+
+CUDA = "CUDAExecutionProvider"
+# Reads onnxruntime's kernel registry in a child process: listing it loads the CUDA
+# provider's library, which crashes the process where the CUDA libraries are missing.
+_REGISTRY_SCRIPT = """
+import json
+from onnxruntime.capi import _pybind_state as C
+print(json.dumps([[k.domain, k.op_name, list(k.version_range),
+                   sorted({t for ts in k.type_constraints.values() for t in ts})]
+                  for k in C.get_all_opkernel_def() if k.provider == %r]))
+""" % CUDA
+_LOW_TYPES = {"float16", "bfloat16"}
+_ALL_OPSETS = 2 ** 31 - 1
+
+
+@functools.cache
+def cuda_registry() -> tuple[tuple, ...] | str:
+    """onnxruntime's CUDA kernels as (domain, op, (since, until), types), or why they could
+    not be listed (this onnxruntime has no CUDA provider, or its libraries do not load)."""
+    import subprocess
+    import sys
+
+    try:
+        done = subprocess.run([sys.executable, "-c", _REGISTRY_SCRIPT], capture_output=True,
+                              text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"listing onnxruntime's kernels failed ({first_line(e)})"
+    if done.returncode != 0:
+        return (f"onnxruntime's CUDA kernels cannot be listed here (the listing exited with "
+                f"{done.returncode}: the CUDA provider's libraries do not load)")
+    import json
+
+    kernels = tuple((d or "", op, tuple(r), frozenset(t)) for d, op, r, t in
+                    json.loads(done.stdout.strip().splitlines()[-1]))
+    return kernels if kernels else "this onnxruntime has no CUDA provider"
+
+
+def cuda_kernels(model, registry: tuple[tuple, ...] | str | None = None) -> dict:
+    """Whether onnxruntime's CUDA provider has a kernel for every node of ``model`` (an
+    onnx_ir Model) that computes in fp16 or bf16, at the node's opset and dtypes:
+    ``{"CUDAExecutionProvider": bool, "missing": ["Op(dtype) opset N", ...]}``; None for the
+    provider, with ``unknown`` saying why, where the registry cannot be read
+    (``cuda_registry``; ``registry``: one given instead)."""
+    registry = cuda_registry() if registry is None else registry
+    if isinstance(registry, str):
+        return {CUDA: None, "missing": [], "unknown": registry}
+    by_op: dict[tuple[str, str], list] = {}
+    for domain, op, (since, until), types in registry:
+        by_op.setdefault(("" if domain == "ai.onnx" else domain, op), []).append(
+            (since, until, types))
+    missing = set()
+    opsets = dict(model.opset_imports)
+    for node, dtypes in _low_nodes(model):
+        opset = node.version or opsets.get(node.domain, opsets.get("", 1))
+        kernels = by_op.get((node.domain, node.op_type), [])
+        wanted = {f"tensor({d})" for d in dtypes}
+        if not any(since <= opset <= until and wanted <= types
+                   for since, until, types in kernels):
+            missing.add(f"{node.op_type}({','.join(sorted(dtypes & _LOW_TYPES))}) opset {opset}")
+    return {CUDA: not missing, "missing": sorted(missing)}
+
+
+def _low_nodes(model):
+    """(node, the float dtypes of its tensor ports) of nodes with an fp16 or bf16 port,
+    subgraphs included; the model's own Constant nodes carry data, not a kernel."""
+    import onnx_ir as ir
+
+    from amp_rewrite.onnx.load import walk_graphs
+
+    floats = {ir.DataType.FLOAT: "float", ir.DataType.FLOAT16: "float16",
+              ir.DataType.BFLOAT16: "bfloat16"}
+    for graph in walk_graphs(model.graph):
+        for node in graph:
+            if node.op_type == "Constant" and node.domain == "":
+                continue
+            dtypes = {floats[v.dtype] for v in (*node.inputs, *node.outputs)
+                      if v is not None and v.dtype in floats}
+            if dtypes & _LOW_TYPES:
+                yield node, dtypes

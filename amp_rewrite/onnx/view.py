@@ -53,6 +53,9 @@ class OnnxView:
     in_range: set[ir.Value] = field(default_factory=set)
     small: SmallFloat32 | None = None  # small raw float32 constants, joined (_small_float32)
     opsets: dict[str, int] = field(default_factory=dict)  # the model's opset imports
+    # a mixed plan (core/multilabel.py): constants fp16 cannot hold stay free, for the plan
+    # to store them bf16 where its readers run bf16 (``wide_values`` still lists them)
+    mixed: bool = False
 
 
 def value_nbytes(value: ir.Value, inferred: dict[str, int | None]) -> int | None:
@@ -69,16 +72,19 @@ def value_nbytes(value: ir.Value, inferred: dict[str, int | None]) -> int | None
 def build_view(model: ir.Model, low: LowDtype, *, keep_io_types: bool = True,
                graphs: list[ir.Graph] | None = None, clamp_constants: bool = False,
                low_io: tuple[str, ...] = (),
-               inferred_sizes: Mapping[str, int | None] | None = None) -> OnnxView:
+               inferred_sizes: Mapping[str, int | None] | None = None,
+               mixed: bool = False) -> OnnxView:
     """The precision view of ``model``; ``graphs``: ``walk_graphs(model.graph)`` if given.
 
     ``clamp_constants``: constants beyond the low dtype's range may be stored clamped; by
     default they stay fp32 and so do their readers (decision 0010).
     ``low_io``: name patterns (fnmatch) of main-graph inputs/outputs fixed low (a KV cache).
     ``inferred_sizes``: fp32 bytes of values without a shape (``LoadInfo.inferred_sizes``).
+    ``mixed``: the view of a mixed plan (``low`` fp16; ``OnnxView.mixed``).
     """
     graphs = list(walk_graphs(model.graph)) if graphs is None else graphs
-    view = OnnxView(PrecisionGraph(), low, graphs, clamp_constants=clamp_constants)
+    view = OnnxView(PrecisionGraph(), low, graphs, clamp_constants=clamp_constants,
+                    mixed=mixed)
     view.small, others = _small_float32(graphs)
     if not clamp_constants:
         view.range_problems = _range_problems(view.small, others, low, view.in_range)
@@ -339,11 +345,14 @@ def _add_constant(view: OnnxView, node: ir.Node, low_ir: ir.DataType) -> None:
 
 
 def _wide(view: OnnxView, value: ir.Value, tensor) -> str | None:
-    """Why the low dtype cannot hold this float32 constant (recorded), or None."""
+    """Why the low dtype cannot hold this float32 constant (recorded), or None; None too
+    in a mixed view, whose plan decides where such a constant is stored (bf16 or fp32)."""
     problem = view.range_problems.get(value)
     if problem is None:
         return None
     view.wide_values[value] = f"{value.name or 'a constant'} ({problem})"
+    if view.mixed:
+        return None
     return f"{problem}: kept fp32 with its readers (no clamp)"
 
 

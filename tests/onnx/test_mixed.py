@@ -1,0 +1,312 @@
+"""``--dtype mixed`` on the ONNX path: every node fp16, bf16 or fp32 from one exact plan
+(core/multilabel.py), applied by the same steps as a two-label plan (onnx/apply.py).
+
+Expected labels, casts and stored dtypes are derived by hand in the comments; numerics are
+compared with numpy's float64 product or the FP32 model, under onnx.reference, where every op
+rounds to its declared dtype as a GPU does.
+"""
+from __future__ import annotations
+
+import json
+
+import ml_dtypes
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from amp_rewrite.onnx import rewrite_onnx_model, validate
+
+F16, BF16, F32 = TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.FLOAT
+
+
+def _weights(seed=0):
+    rng = np.random.default_rng(seed)
+    w1 = rng.standard_normal((8, 8)).astype(np.float32)
+    w2 = rng.standard_normal((8, 4)).astype(np.float32)
+    c = np.full(8, 2.0, np.float32)
+    c[0] = 1e5  # beyond fp16's 65504, well within bf16
+    return w1, w2, c
+
+
+def wide_divisor_model(opset: int = 18) -> onnx.ModelProto:
+    """x[2,8] → MatMul(W1) → h1 → Div(h1, C) → h2 → MatMul(W2) → y[2,4]; |C| up to 1e5."""
+    w1, w2, c = _weights()
+    nodes = [helper.make_node("MatMul", ["x", "W1"], ["h1"], name="mm1"),
+             helper.make_node("Div", ["h1", "C"], ["h2"], name="div"),
+             helper.make_node("MatMul", ["h2", "W2"], ["y"], name="mm2")]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", F32, [2, 8])],
+        [helper.make_tensor_value_info("y", F32, [2, 4])],
+        [numpy_helper.from_array(a, n) for a, n in ((w1, "W1"), (w2, "W2"), (c, "C"))])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def _dtypes(result) -> dict[str, str]:
+    return {r["name"]: r["dtype"] for r in result.report["nodes"]}
+
+
+def _casts(proto: onnx.ModelProto) -> list[tuple[str, int]]:
+    return sorted((n.input[0], n.attribute[0].i) for n in proto.graph.node
+                  if n.op_type == "Cast")
+
+
+def test_the_reader_of_a_constant_beyond_fp16_runs_bf16_and_the_gemms_fp16():
+    result = rewrite_onnx_model(wide_divisor_model(), dtype="mixed")
+    # Div is gray and reads C, which fp16 cannot hold: bf16 or fp32. Both cost the same
+    # casts (h1 in, h2 out: 64 B each, [2,8] fp32 values), so the preference picks bf16;
+    # the MatMuls are allow: fp16.
+    assert _dtypes(result) == {"mm1": "float16", "div": "bfloat16", "mm2": "float16"}
+    proto = result.proto()
+    # By hand: x fp32→fp16 for mm1, h1 fp16→bf16 for div, h2 bf16→fp16 for mm2, and mm2's
+    # fp16 output →fp32 for the graph output y (which keeps its type).
+    assert _casts(proto) == sorted([("x", F16), ("h1", BF16), ("h2", F16),
+                                    ("y_float16", F32)])
+    # C is read only by the bf16 Div: stored bf16, no runtime cast; the weights fp16.
+    stored = {t.name: t.data_type for t in proto.graph.initializer}
+    assert stored == {"W1": F16, "W2": F16, "C": BF16}
+    report = result.report
+    assert report["dtype"] == "mixed"
+    assert report["dtype_counts"] == {"float32": 0, "float16": 2, "bfloat16": 1}
+    # cast bytes per pair, by hand: 64 B each way between the low dtypes, x 64 B in,
+    # y 32 B out ([2,4] fp32 elements)
+    assert report["mixed"]["cast_bytes"] == {"bfloat16->float16": 64,
+                                             "float16->bfloat16": 64,
+                                             "float16->float32": 32,
+                                             "float32->float16": 64}
+    # FLOPs by hand: mm1 2·2·8·8 = 256, div 16, mm2 2·2·4·8 = 128
+    assert report["mixed"]["flop_share"] == {"float32": 0.0, "float16": 0.96,
+                                             "bfloat16": 0.04}
+    assert report["mixed"]["solver"]["status"] == "OPTIMAL"
+    explained = "\n".join(result.explain("div"))
+    assert "runs bf16, not fp16" in explained and "beyond float16" in explained
+
+
+def test_the_mixed_output_is_within_bf16_tolerance_under_per_op_rounding():
+    proto = rewrite_onnx_model(wide_divisor_model(), dtype="mixed").proto()
+    x = np.random.default_rng(1).standard_normal((2, 8)).astype(np.float32)
+    w1, w2, c = (a.astype(np.float64) for a in _weights())
+    expected = (x @ w1 / c) @ w2
+    got = validate.reference_run(proto, {"x": x})["y"]
+    assert got.dtype == np.float32
+    assert np.abs(got - expected).max() / np.abs(expected).max() < 5e-2
+
+
+def test_a_schema_without_bf16_at_the_models_opset_keeps_a_range_reader_fp32():
+    # Conv's T admits bf16 from opset 22 only; a mixed plan never converts the opset, so
+    # the Conv reading a weight beyond fp16 runs fp32 at 18 and bf16 at 22.
+    def conv_model(opset):
+        w = np.full((4, 3, 1, 1), 0.5, np.float32)
+        w[0, 0, 0, 0] = 1e5
+        graph = helper.make_graph(
+            [helper.make_node("Conv", ["x", "W"], ["y"], name="conv")], "g",
+            [helper.make_tensor_value_info("x", F32, [1, 3, 4, 4])],
+            [helper.make_tensor_value_info("y", F32, [1, 4, 4, 4])],
+            [numpy_helper.from_array(w, "W")])
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+    at18 = rewrite_onnx_model(conv_model(18), dtype="mixed")
+    assert _dtypes(at18) == {"conv": "float32"}
+    assert "takes no bfloat16" in at18.report["nodes"][0]["reason"]
+    assert at18.report["opset_conversion"] is None
+    assert at18.proto().opset_import[0].version == 18
+    assert _dtypes(rewrite_onnx_model(conv_model(22), dtype="mixed")) == {"conv": "bfloat16"}
+
+
+def _range_ops_model() -> onnx.ModelProto:
+    """x[4,16] → MatMul → h → ReduceSum(axis 1) → s; h → Pow(h, 2) → p; both outputs."""
+    w = np.random.default_rng(2).standard_normal((16, 16)).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"], name="mm"),
+             helper.make_node("ReduceSum", ["h", "axes"], ["s"], name="sum", keepdims=0),
+             helper.make_node("Pow", ["h", "two"], ["p"], name="pow")]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", F32, [4, 16])],
+        [helper.make_tensor_value_info("s", F32, [4]),
+         helper.make_tensor_value_info("p", F32, [4, 16])],
+        [numpy_helper.from_array(w, "W"), numpy_helper.from_array(np.array([1]), "axes"),
+         numpy_helper.from_array(np.array(2.0, np.float32), "two")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def test_range_ops_run_bf16_in_a_mixed_plan_and_fp32_in_an_fp16_plan():
+    # rules/onnx.toml [range]: ReduceSum and Pow (deny) run bf16 in a mixed plan
+    mixed = rewrite_onnx_model(_range_ops_model(), dtype="mixed")
+    assert _dtypes(mixed) == {"mm": "float16", "sum": "bfloat16", "pow": "bfloat16"}
+    assert all(r["reason"].startswith("range:") for r in mixed.report["nodes"]
+               if r["name"] != "mm")
+    fp16 = rewrite_onnx_model(_range_ops_model(), dtype="fp16")
+    assert {r["name"]: r["precision"] for r in fp16.report["nodes"]} == {
+        "mm": "low", "sum": "high", "pow": "high"}
+    # the bf16 exponent 2 is stored bf16 (read by the bf16 Pow only)
+    stored = {t.name: t.data_type for t in mixed.proto().graph.initializer}
+    assert stored["two"] == BF16 and stored["W"] == F16
+
+
+def test_a_second_mixed_run_changes_nothing():
+    first = rewrite_onnx_model(wide_divisor_model(), dtype="mixed").proto()
+    again = rewrite_onnx_model(first, dtype="mixed")
+    assert again.report["modified"] is False
+    assert again.report["casts_inserted"] == 0
+    assert _casts(again.proto()) == _casts(first)
+
+
+def test_calibration_beyond_fp16_sends_producers_and_readers_to_bf16():
+    # x scaled 1e4: h1 = x @ W1 (|h1| ~ √8·1e4) and h2 = h1 / C (halved) pass 4096, the
+    # fp16 threshold, and stay far below bf16's (calibration records values inside the
+    # graph, not its outputs): mm1 writes h1, div reads h1 and writes h2, mm2 reads h2, so
+    # every node runs bf16 where the fp16 plan pins all three fp32.
+    x = (np.random.default_rng(3).standard_normal((2, 8)) * 1e4).astype(np.float32)
+    data = {"x": x}
+    mixed = rewrite_onnx_model(wide_divisor_model(), dtype="mixed", calibration_data=data)
+    assert _dtypes(mixed) == {"mm1": "bfloat16", "div": "bfloat16", "mm2": "bfloat16"}
+    assert mixed.report["mixed"]["bf16_by_calibration"] == ["h1", "h2"]
+    assert mixed.report["pinned_by_calibration"] == []
+    assert "calibration saw |h1|" in {r["name"]: r["reason"]
+                                      for r in mixed.report["nodes"]}["mm1"]
+    fp16 = rewrite_onnx_model(wide_divisor_model(), dtype="fp16", calibration_data=data)
+    assert {r["precision"] for r in fp16.report["nodes"]} == {"high"}
+    # and the bf16 plan's output is close where fp16 would overflow
+    got = validate.reference_run(mixed.proto(), data)["y"]
+    w1, w2, c = (a.astype(np.float64) for a in _weights())
+    expected = (x.astype(np.float64) @ w1 / c) @ w2
+    assert np.abs(got - expected).max() / np.abs(expected).max() < 5e-2
+
+
+def test_an_fp16_overflow_in_a_mixed_output_is_named_with_its_dtype():
+    proto = rewrite_onnx_model(wide_divisor_model(), dtype="mixed").proto()
+    x = (np.ones((2, 8)) * 3e4).astype(np.float32)  # x itself is beyond nothing; mm1 is
+    found = validate.validate_rewrite(wide_divisor_model(), proto, "mixed", {"x": x})
+    assert not found.ok() and found.overflows
+    assert found.overflows[0].dtype == "float16"
+    assert "float16 overflow" in found.overflow_summary()
+    assert found.tolerance == 5e-2  # bf16's: the coarser dtype a mixed plan may run
+
+
+# -- the CLI ------------------------------------------------------------------------------------
+
+def _cli(*args) -> int:
+    from amp_rewrite.cli import main
+
+    return main([str(a) for a in args])
+
+
+def test_cli_mixed_validate_report(tmp_path, capsys):
+    path = tmp_path / "m.onnx"
+    onnx.save(wide_divisor_model(), path)
+    report = tmp_path / "r.json"
+    assert _cli(path, "--dtype", "mixed", "--validate", "--report", report) == 0
+    out = capsys.readouterr().out
+    assert "nodes fp16 / bf16 / fp32     2 / 1 / 0" in out
+    assert "cast bytes fp16<->bf16" in out and "OPTIMAL" in out
+    r = json.loads(report.read_text())
+    assert r["dtype"] == "mixed" and r["dtype_counts"]["bfloat16"] == 1
+    assert {n["name"]: n["dtype"] for n in r["nodes"]}["div"] == "bfloat16"
+    assert set(r["runs_on"]) >= {"CUDAExecutionProvider", "missing", "note"}
+    assert r["validation"][0]["max_rel"] < 5e-2
+    out_model = onnx.load(tmp_path / "m.amp.onnx")
+    assert {t.name: t.data_type for t in out_model.graph.initializer}["C"] == BF16
+
+
+def test_cli_exit_codes(tmp_path, capsys):
+    path = tmp_path / "m.onnx"
+    onnx.save(wide_divisor_model(), path)
+    assert _cli(path, "--dtype", "mixed", "--max-error", "0.1") == 2
+    assert "--max-error does not take --dtype mixed" in capsys.readouterr().err
+    assert _cli(path, "--dtype", "trio") == 2
+    capsys.readouterr()
+    assert _cli(path, "--dtype", "mixed", "--explain", "div", "-q") == 0
+    assert "runs bf16, not fp16" in capsys.readouterr().out
+
+
+# -- which providers run the output -----------------------------------------------------------
+
+def _bf16_model(op: str, opset: int) -> "onnx_ir.Model":  # noqa: F821
+    import onnx_ir as ir
+
+    nodes = [helper.make_node(op, ["a", "b"], ["y"], name="op")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("a", BF16, [2]),
+                                           helper.make_tensor_value_info("b", BF16, [2])],
+                              [helper.make_tensor_value_info("y", BF16, [2])])
+    return ir.from_proto(helper.make_model(graph,
+                                           opset_imports=[helper.make_opsetid("", opset)]))
+
+
+def test_cuda_kernels_match_op_opset_and_dtype_in_a_given_registry():
+    # a registry written by hand: Div has a bf16 CUDA kernel from opset 14, Mod none
+    registry = (("", "Div", (7, 13), frozenset({"tensor(float)", "tensor(float16)"})),
+                ("", "Div", (14, 2 ** 31 - 1), frozenset({"tensor(bfloat16)"})),
+                ("", "Mod", (13, 2 ** 31 - 1), frozenset({"tensor(float16)"})))
+    assert validate.cuda_kernels(_bf16_model("Div", 14), registry) == {
+        "CUDAExecutionProvider": True, "missing": []}
+    assert validate.cuda_kernels(_bf16_model("Div", 13), registry) == {
+        "CUDAExecutionProvider": False, "missing": ["Div(bfloat16) opset 13"]}
+    assert validate.cuda_kernels(_bf16_model("Mod", 13), registry)["missing"] == [
+        "Mod(bfloat16) opset 13"]
+    unknown = validate.cuda_kernels(_bf16_model("Div", 14), "no CUDA provider here")
+    assert unknown["CUDAExecutionProvider"] is None and unknown["unknown"]
+
+
+def test_cuda_kernels_from_onnxruntimes_registry():
+    registry = validate.cuda_registry()
+    if isinstance(registry, str):
+        pytest.skip(registry)
+    # onnxruntime's CUDA provider registers ReduceSum<BFloat16> (opset 13+) and
+    # ReduceSumSquare for float, double and MLFloat16 only (its cuda/reduction kernels)
+    def reduce(op):
+        import onnx_ir as ir
+
+        node = helper.make_node(op, ["a"], ["y"], name="r", keepdims=0)
+        graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("a", BF16, [2])],
+                                  [helper.make_tensor_value_info("y", BF16, [])])
+        return ir.from_proto(helper.make_model(graph,
+                                               opset_imports=[helper.make_opsetid("", 18)]))
+
+    assert validate.cuda_kernels(reduce("ReduceSum"))["CUDAExecutionProvider"] is True
+    assert validate.cuda_kernels(reduce("ReduceSumSquare"))["missing"] == [
+        "ReduceSumSquare(bfloat16) opset 18"]
+
+
+# -- hot FFNs (calibrated): mixed against fp16 and bf16 -----------------------------------------
+
+def _gemm_flops_by_dtype(values: dict, model: onnx.ModelProto) -> dict[str, float]:
+    """2·(output elements)·K of each MatMul/Gemm, by its output's dtype in the run."""
+    flops: dict[str, float] = {}
+    for node in model.graph.node:
+        if node.op_type not in ("MatMul", "Gemm", "FusedMatMul"):
+            continue
+        a, out = values[node.input[0]], values[node.output[0]]
+        k = a.shape[-1]
+        flops[out.dtype.name] = flops.get(out.dtype.name, 0.0) + 2.0 * out.size * k
+    return flops
+
+
+def _held_out_error(proto, fp32, feeds) -> float:
+    expected = validate.run(fp32, feeds)
+    got = validate.reference_run(proto, feeds)
+    return max(e.max_rel if not e.new_nonfinite else float("inf")
+               for e in validate.compare(expected, got))
+
+
+@pytest.mark.slow  # exports zoo models
+@pytest.mark.parametrize("name", ["t5", "llama"])
+def test_hot_ffn_mixed_keeps_gemms_low_and_its_error_between_fp16_and_bf16(name):
+    from amp_rewrite.onnx.budget import default_feeds
+    from tests.models import hot
+
+    path, feeds = hot.cached_hot_onnx(name, 3e5)
+    fp32 = onnx.load(path)
+    calibration, held, _, _ = default_feeds(fp32, feeds)
+    protos = {d: rewrite_onnx_model(path, dtype=d, calibration_data=calibration).proto()
+              for d in ("fp16", "bf16", "mixed")}
+    errors = {d: _held_out_error(p, fp32, held) for d, p in protos.items()}
+    shares = {}
+    for d, p in protos.items():
+        values = validate.reference_evaluator(p).run(
+            None, validate.as_declared(p, held), intermediate=True)
+        flops = _gemm_flops_by_dtype(values, p)
+        shares[d] = 1 - flops.get("float32", 0.0) / sum(flops.values())
+    print(name, "errors", errors, "low GEMM share", shares)
+    assert shares["fp16"] < 1.0  # calibration pins the hot GEMMs fp32 in the fp16 plan
+    assert shares["mixed"] >= 0.99
+    assert errors["mixed"] <= 1.5 * errors["fp16"]
+    assert errors["mixed"] <= 0.5 * errors["bf16"]
