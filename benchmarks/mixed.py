@@ -132,7 +132,7 @@ def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The question's criteria on one model: mixed's low FLOP share (≥ 0.99 where the fp16
     plan keeps FLOPs fp32) and its error against the fp16 (≤ 1.5×) and bf16 (≤ 0.5×) plans."""
     plans = {r["plan"]: r for r in rows if "failed" not in r and "status" not in r}
-    mixed, fp16, bf16 = (plans.get(f"ours-{d}") for d in OURS)
+    fp16, bf16, mixed = (plans.get(f"ours-{d}") for d in ("fp16", "bf16", "mixed"))
     if not (mixed and fp16 and bf16):
         return {"verdict": "incomplete"}
 
