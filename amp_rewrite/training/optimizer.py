@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from amp_rewrite.arguments import low_dtype
+from amp_rewrite.arguments import ArgumentError, plan_dtype
+from amp_rewrite.core.precision import MIXED
 from amp_rewrite.errors import TrainingError
 from amp_rewrite.training._grads import optimizer_params
 from amp_rewrite.training.master import MasterWeights
@@ -52,6 +53,34 @@ class StepResult:
         return f"StepResult(stepped={bool(self)})"
 
 
+def scaling_dtype(dtype: object = None, model: Any = None) -> torch.dtype:
+    """The dtype whose gradients decide the loss scaling: float16 when any node may run
+    fp16 (fp16's gradients underflow without scaling), else bfloat16.
+
+    ``dtype``: as for ``amp_rewrite.rewrite``; 'mixed' scales, as a mixed plan runs fp16
+    wherever it fits. ``model``: a module ``amp_rewrite.rewrite`` or the ``amp_rewrite``
+    compile backend made (compiled: after its first call); its reports say which dtypes its
+    nodes run in. Neither: float16."""
+    if model is not None:
+        if dtype is not None:
+            raise ArgumentError("dtype= and model= both given: model= reads the dtypes its "
+                                "nodes run in from its report; pass one of them")
+        return torch.float16 if _runs_fp16(model) else torch.bfloat16
+    dtype = plan_dtype(torch.float16 if dtype is None else dtype)
+    return torch.float16 if dtype == MIXED else dtype
+
+
+def _runs_fp16(model: Any) -> bool:
+    """Whether a graph of ``model`` runs a node in float16 (its amp_rewrite reports)."""
+    from amp_rewrite.fx.backend import report
+
+    for entry in report(model):
+        graph = entry["report"]
+        if graph["dtype"] == "float16" or (graph.get("dtype_counts") or {}).get("float16"):
+            return True
+    return False
+
+
 def _default_scaler(dtype: torch.dtype, skip_nonfinite: bool) -> LossScaler:
     if dtype == torch.float16:
         return LossScaler()
@@ -67,9 +96,12 @@ class AmpOptimizer:
     Args:
         optimizer: any ``torch.optim.Optimizer`` (``fused=True`` ones skip on the device).
         dtype: the low-precision compute dtype, spelled as for ``amp_rewrite.rewrite``
-            (torch.float16 / torch.bfloat16 / 'fp16' / 'bf16'; float32 is refused: a float32
-            loop needs no wrapper). float16: dynamic ``LossScaler()``; bfloat16: no scaling,
-            non-finite steps still skipped (``skip_nonfinite``).
+            (torch.float16 / torch.bfloat16 / 'fp16' / 'bf16' / 'mixed'; float32 is refused:
+            a float32 loop needs no wrapper). float16 and 'mixed' (fp16 wherever it fits):
+            dynamic ``LossScaler()``; bfloat16: no scaling, non-finite steps still skipped
+            (``skip_nonfinite``). Default float16.
+        model: instead of ``dtype``, the module amp_rewrite rewrote or compiled: scaled when
+            any of its nodes runs float16 (its reports; ``scaling_dtype``).
         scaler: a ``LossScaler`` to use instead of the default (then ``skip_nonfinite`` is
             ignored). Give each wrapper its own: ``step()`` calls ``scaler.update()``.
         accumulation_steps: micro-batches per optimizer step; ``backward`` divides each loss by
@@ -84,13 +116,14 @@ class AmpOptimizer:
         self,
         optimizer: torch.optim.Optimizer,
         *,
-        dtype: torch.dtype | str = torch.float16,
+        dtype: torch.dtype | str | None = None,
+        model: Any = None,
         scaler: LossScaler | None = None,
         accumulation_steps: int = 1,
         master_weights: bool = False,
         skip_nonfinite: bool = True,
     ) -> None:
-        dtype = low_dtype(dtype)
+        dtype = scaling_dtype(dtype, model)
         if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) \
                 or accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be an integer >= 1, got "
