@@ -98,8 +98,10 @@ def allowed_labels(fix: constraints.Fix | None = None, *, needs_range: bool = Fa
         return Allowed(frozenset({Label.FP32}), Why.RULE, fix.reason, cause)
     if fix is not None:  # LOW
         if needs_range:
-            return Allowed(frozenset({Label.BF16}), Why.RANGE,
-                           f"{fix.reason}; {range_reason or 'beyond fp16 range'}", cause)
+            why = range_reason or "beyond fp16 range"
+            # a [range] rule's own fix already is the range reason: said once
+            reason = fix.reason if why == fix.reason else f"{fix.reason}; {why}"
+            return Allowed(frozenset({Label.BF16}), Why.RANGE, reason, cause)
         return Allowed(frozenset({Label.FP16}), Why.RULE, fix.reason, cause)
     if needs_range:
         return Allowed(frozenset({Label.BF16, Label.FP32}), Why.RANGE,
