@@ -131,13 +131,15 @@ def _propagated_fix(graph: PrecisionGraph, cause: Hashable, origin: Hashable) ->
 
 
 def range_fixes(graph: PrecisionGraph, classes: dict[Hashable, OpClass],
-                wide_values: Mapping[Hashable, str]) -> dict[Hashable, Fix]:
+                wide_values: Mapping[Hashable, str],
+                outcome: str = "runs fp32 rather than clamp") -> dict[Hashable, Fix]:
     """Readers of values the low dtype cannot hold (beyond its range, or significant values
     that underflow it) run high, instead of reading them clamped or flushed to zero.
 
     A clear reader (reshape, transpose, ...) passes the values on unchanged, so its readers
     run high too. Groups the adapter fixed (I/O kept, dtype already in the model) keep
     their fix; rule classes and user pins give way: no rule makes a clamp harmless.
+    ``outcome`` ends each reason (a mixed plan says what it does instead: bf16 or fp32).
     """
     fixes: dict[Hashable, Fix] = {}
     queue = deque((v, why, graph.producer(v)) for v, why in wide_values.items())
@@ -147,8 +149,7 @@ def range_fixes(graph: PrecisionGraph, classes: dict[Hashable, OpClass],
         for reader in graph.consumers(value):
             if reader in fixes or graph.group(reader).fixed is not None:
                 continue
-            fixes[reader] = Fix(Precision.HIGH, f"reads {why}: runs fp32 rather than clamp",
-                                cause)
+            fixes[reader] = Fix(Precision.HIGH, f"reads {why}: {outcome}", cause)
             if classes[reader] is OpClass.CLEAR:
                 for out in graph.outputs(reader):
                     if out not in seen:

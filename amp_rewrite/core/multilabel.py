@@ -114,7 +114,7 @@ def range_needs(graph: PrecisionGraph, rules: RuleSet,
     """Groups that need more range than fp16 has: the readers ``constraints.range_fixes``
     would fix for values fp16 cannot hold (clear readers pass the need on), with reasons."""
     classes = constraints.classify_groups(graph, rules)
-    return constraints.range_fixes(graph, classes, fp16_wide_values)
+    return constraints.range_fixes(graph, classes, fp16_wide_values, _FP16_RANGE)
 
 
 def label_sets(graph: PrecisionGraph, rules: RuleSet, *,
@@ -148,7 +148,8 @@ def label_sets(graph: PrecisionGraph, rules: RuleSet, *,
                   if graph.group(k).fixed is None})
     if wide_values:
         fixes.update(constraints.range_fixes(graph, classes, wide_values))
-    needs = constraints.range_fixes(graph, classes, fp16_wide_values) if fp16_wide_values else {}
+    needs = (constraints.range_fixes(graph, classes, fp16_wide_values, _FP16_RANGE)
+             if fp16_wide_values else {})
     for key, why in (range_groups or {}).items():
         if graph.group(key).fixed is None and key not in needs:
             needs[key] = constraints.Fix(Precision.HIGH, why)
@@ -577,6 +578,9 @@ def plan_label_casts(graph: PrecisionGraph, labels: Mapping[Hashable, Label],
         units = graph.cost_units(value)
         casts.extend(LabelCast(value, to, tuple(cs), units) for to, cs in wanting.items())
     return tuple(casts)
+
+
+_FP16_RANGE = "beyond fp16's range"  # how a range need's reason ends (``_decision`` goes on)
 
 
 def _decision(allowed: Allowed, label: Label) -> LabelDecision:
