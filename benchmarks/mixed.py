@@ -130,7 +130,8 @@ def model_rows(key: str, peers: bool = True) -> list[dict[str, Any]]:
 
 def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The question's criteria on one model: mixed's low FLOP share (≥ 0.99 where the fp16
-    plan keeps FLOPs fp32) and its error against the fp16 (≤ 1.5×) and bf16 (≤ 0.5×) plans."""
+    plan keeps over 1% fp32) and its error against the fp16 (≤ 1.5×) and bf16 (≤ 0.5×)
+    plans."""
     plans = {r["plan"]: r for r in rows if "failed" not in r and "status" not in r}
     fp16, bf16, mixed = (plans.get(f"ours-{d}") for d in ("fp16", "bf16", "mixed"))
     if not (mixed and fp16 and bf16):
@@ -141,7 +142,8 @@ def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
             return None
         return round(a / b, 3)
 
-    return {"fp16_keeps_fp32": fp16["low_flop_share"] < 1.0,
+    # "keeps a measured share in fp32": more than the 1% the criterion allows mixed
+    return {"fp16_keeps_fp32": fp16["low_flop_share"] < 0.99,
             "mixed_low_share": mixed["low_flop_share"],
             "mixed_vs_fp16_error": ratio(mixed["held_out_error"], fp16["held_out_error"]),
             "mixed_vs_bf16_error": ratio(mixed["held_out_error"], bf16["held_out_error"])}
