@@ -340,6 +340,8 @@ class BudgetAdapter(Protocol):
     ``PrecisionPlan``, a lowered torch graph); values are named by the adapter."""
 
     low_max: float  # the low dtype's largest finite value: a unit beyond it overflows
+    # (an adapter whose units run in different low dtypes, a mixed plan's fp16 or bf16, also
+    # gives ``unit_low_max(key)``: ``unit_low_max`` below)
     mask_sentinel: float | None  # magnitudes the low plan gives its own extreme (None: none)
     graph_outputs: frozenset[str]  # names of the values the graph outputs
 
@@ -390,6 +392,14 @@ def unit_peak(adapter: BudgetAdapter, key: Hashable, fp32: Mapping[str, Sequence
                           adapter.mask_sentinel)
 
 
+def unit_low_max(adapter: BudgetAdapter, key: Hashable) -> float:
+    """The largest finite value of the dtype the default plan runs unit ``key`` in: the
+    adapter's ``unit_low_max`` where its units differ in dtype (a mixed plan's fp16 or
+    bf16), else its one ``low_max``."""
+    per_unit = getattr(adapter, "unit_low_max", None)
+    return adapter.low_max if per_unit is None else per_unit(key)
+
+
 def estimate_contributions(adapter: BudgetAdapter, units: list[Unit]
                            ) -> dict[Hashable, float]:
     """Each unit's error contribution without measuring it alone (one plan run): infinite
@@ -397,7 +407,8 @@ def estimate_contributions(adapter: BudgetAdapter, units: list[Unit]
     run, where one overflow's infinities would hide the next — else the error it injects
     in the default plan with those pinned (``injected_errors``)."""
     fp32 = adapter.values(None)
-    overflowing = {u.key for u in units if unit_peak(adapter, u.key, fp32) > adapter.low_max}
+    overflowing = {u.key for u in units
+                   if unit_peak(adapter, u.key, fp32) > unit_low_max(adapter, u.key)}
     low = adapter.values(adapter.plan(frozenset(overflowing)))
     scores = injected_errors(adapter, units, fp32, low)
     scores.update(dict.fromkeys(overflowing, math.inf))

@@ -168,7 +168,8 @@ def _search_budget(loaded: LoadedModel, options: OnnxOptions, rules, max_error: 
 
 def _held_out_on_runtime(result: RewriteResult, outcome) -> dict:
     """The rewritten model's error on the held-out inputs in onnxruntime (fp16: its CPU
-    provider runs fp16 models; bf16 has no CPU kernels here, so only the emulation counts)."""
+    provider runs fp16 models; bf16, and mixed plans with their bf16 nodes, have no CPU
+    kernels here, so only the emulation counts)."""
     from amp_rewrite.core.metric import Difference
     from amp_rewrite.onnx import validate
 

@@ -1,8 +1,10 @@
 """The accuracy budget on the ONNX path: plans measured under per-op rounding.
 
 Every plan is measured on one instrumented copy of the fused FP32 model (``emulation.py``:
-each main-graph op in float32 on inputs rounded to the low dtype, its outputs rounded once;
-subgraph bodies in FP32): one min cut and one session run per plan, not a rewrite.
+each main-graph op in float32 on inputs rounded to its dtype, its outputs rounded once;
+subgraph bodies in FP32): one min cut (a mixed plan: one ``plan_mixed``, where a pin means
+fp32 and the nodes left low take fp16 or bf16 anew) and one session run per plan, not a
+rewrite.
 
 The search, its estimate, the relaxation of calibration pins and the outcome are
 ``core.budget``'s (decision 0035); this module is its ``BudgetAdapter``: units are main-graph
@@ -21,15 +23,18 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from amp_rewrite.core import Precision
+from amp_rewrite.core import LowDtype, Precision
 from amp_rewrite.core import budget as core_budget
 from amp_rewrite.core.flops import op_flops
+from amp_rewrite.core.precision import Label
 from amp_rewrite.onnx import validate
 from amp_rewrite.onnx.emulation import Emulator
 
 logger = logging.getLogger(__name__)
 
 MEASURED_BY = "onnxruntime float32 kernels, every low input and output rounded"
+MEASURED_BY_MIXED = f"{MEASURED_BY} to its node's dtype (fp16 or bf16)"
+_MAX_FINITE = {Label.FP16: LowDtype.FLOAT16.max_finite, Label.BF16: LowDtype.BFLOAT16.max_finite}
 _PINNED = "pinned fp32 by the accuracy budget"
 _LOWERED = "run low by the accuracy budget"
 
@@ -98,7 +103,8 @@ def search_budget(pass_, model: ir.Model, max_error: float, search_feeds: dict,
         adapter, max_error, option, max_evaluations=max_evaluations, progress=progress)
     adapter.fp32 = {}  # the search inputs' intermediate values: not needed any more
     final = relaxed.plan if relaxed else adapter.plan(frozenset(result.pins))
-    outcome = BudgetOutcome(result, units, option, inputs, held_out_inputs, MEASURED_BY,
+    measured_by = MEASURED_BY_MIXED if pass_.options.mixed else MEASURED_BY
+    outcome = BudgetOutcome(result, units, option, inputs, held_out_inputs, measured_by,
                             relaxed, adapter.measure(final, held_out=True),
                             adapter.measure(adapter.default, held_out=True),
                             (adapter.low_share(final), adapter.low_share(adapter.default)))
@@ -109,7 +115,8 @@ def search_budget(pass_, model: ir.Model, max_error: float, search_feeds: dict,
 
 class OnnxBudget:
     """The ``core.budget.BudgetAdapter`` of a prepared pass: plans are ``PrecisionPlan``s
-    measured by the ``Emulator``; units are node names, values are value names."""
+    (``pass_.plan_view``: two-label or mixed) measured by the ``Emulator``; units are node
+    names, values are value names."""
 
     mask_sentinel = None  # a float32-max mask rounds to inf here, as in the rewritten model
 
@@ -123,7 +130,7 @@ class OnnxBudget:
         self.fp32 = dict(zip(fetch, emulator.run(search_feeds, None, fetch)))
         self.references = {False: [self.fp32[name] for name in emulator.outputs]}
         self.shapes = _shapes(emulator, search_feeds, self.fp32)
-        self.low_max = emulator.view.low.max_finite
+        self.low_max = emulator.view.low.max_finite  # a mixed plan's: ``unit_low_max``
         self.graph_outputs = frozenset(emulator.outputs)
         self.unit_groups = _node_groups(pass_, emulator, lambda key: True)
         self.relax_groups = _relax_candidates(pass_, self.default, emulator)
@@ -165,6 +172,14 @@ class OnnxBudget:
         ins, outs, _ = self.emulator.node_io[name]
         seen = self.emulator.visible
         return [seen.get(v, v) for v in ins if v], [seen.get(v, v) for v in outs if v]
+
+    def unit_low_max(self, name: str) -> float:
+        """The largest finite value of the dtype the default plan runs ``name`` in (the
+        narrowest of its low groups'): a mixed plan's bf16 node holds what fp16 cannot, so
+        its FP32 peak overflows only beyond bf16's range."""
+        low = self.emulator.low
+        labels = {self.default.label(k, low) for k in self.unit_groups[name]} - {Label.FP32}
+        return min((_MAX_FINITE[label] for label in labels), default=self.low_max)
 
     def weight(self, name: str) -> float:
         ins, outs, op = self.emulator.node_io[name]
@@ -248,5 +263,15 @@ def write_rule_overlay(path, pass_, outcome: BudgetOutcome, options) -> None:
             for n in calibrated]
     fp32 += [(p, "--keep-fp32 pattern", "") for p in options.keep_fp32]
     text = outcome.overlay(f"amp-rewrite {outcome.option}: rewriting with this overlay "
-                           "(--rules) and no --max-error reproduces the plan", fp32)
+                           f"(--rules){_also_needed(options)} and no --max-error reproduces "
+                           "the plan", fp32)
     write_bytes_atomically(path, text.encode("utf-8"))
+
+
+def _also_needed(options) -> str:
+    """What a mixed plan needs besides the overlay: a rule file can pin a node fp32 or low,
+    not bf16, so the nodes calibration sent to bf16 (values beyond fp16's threshold) come
+    from the same data again."""
+    if options.mixed and options.hot_values:
+        return ", --dtype mixed, the same --calibrate data (its values beyond fp16 run bf16)"
+    return ", --dtype mixed" if options.mixed else ""

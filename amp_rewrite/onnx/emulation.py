@@ -2,13 +2,18 @@
 
 One instrumented copy of a prepared FP32 model serves every plan. Each port group of the
 main graph (and each graph input and output the plan may make low) gets a boolean graph
-input, its flag; every float input and output of the group goes through
-``Where(flag, Cast(Cast(x, low), float), x)``. With a plan's labels as the flags, the copy
-computes each op in float32 on inputs rounded to the low dtype and rounds its outputs once:
+input per low dtype the plans may give it, its flags; every float input and output of the
+group goes through ``Where(flag, Cast(Cast(x, low), float), x)``. A mixed plan
+(``--dtype mixed``: fp16 or bf16 per group) chains the two dtypes,
+``Where(fp16_flag, round16(x), Where(bf16_flag, round_bf16(x), x))``, and sets at most one
+flag of a group: the dtype ``plan.label`` gives it. With a plan's labels as the flags, the
+copy computes each op in float32 on inputs rounded to its dtype and rounds its outputs once:
 what a GPU kernel with fp32 accumulation does (tested against ``onnx.reference`` in
-tests/onnx/test_budget.py). Casts need no emulation: a value read in the other dtype is the
-rounded value. Flags all off give the FP32 reference. A plan costs one session run, not a
-rewrite. Subgraph bodies (If/Loop/Scan) are not instrumented: they run in FP32.
+tests/onnx/test_budget.py and tests/onnx/test_mixed_budget.py). Casts need no emulation: a
+value read in another dtype is the rounded value (an fp16 output read by a bf16 node is
+rounded to fp16, then to bf16, as the fp16->bf16 Cast does). Flags all off give the FP32
+reference. A plan costs one session run, not a rewrite. Subgraph bodies (If/Loop/Scan) are
+not instrumented: they run in FP32.
 
 The accuracy budget (``onnx/budget.py``) measures its plans here. ``validate.py`` checks a
 rewritten model instead, which it runs in ``onnx.reference`` in the model's own dtypes.
@@ -21,11 +26,11 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from amp_rewrite.core import LowDtype, Precision
 from amp_rewrite.core.metric import worst_relative_error
+from amp_rewrite.core.precision import Label
 
 _FLAG_PREFIX = "amp_rewrite.budget_flag."
-_LOW_ONNX = {LowDtype.FLOAT16: ir.DataType.FLOAT16, LowDtype.BFLOAT16: ir.DataType.BFLOAT16}
+_LOW_ONNX = {Label.FP16: ir.DataType.FLOAT16, Label.BF16: ir.DataType.BFLOAT16}
 
 
 class Emulator:
@@ -34,8 +39,9 @@ class Emulator:
     def __init__(self, pass_, model: ir.Model) -> None:
         self.pass_ = pass_
         self.view = pass_.view
-        self.low = _LOW_ONNX[self.view.low]
-        self.flags: dict = {}  # group key -> flag input name
+        self.low = self.view.low.label  # a plan's low dtype where it has one
+        self.labels = emulated_labels(pass_)
+        self.flags: dict = {}  # group key -> {low dtype: flag input name}
         self.visible: dict[str, str] = {}  # value name -> the name its readers see
         self.outputs = [v.name for v in model.graph.outputs]
         # before instrumenting: the names the model gives each node's inputs and outputs
@@ -68,8 +74,7 @@ class Emulator:
                 v = node.inputs[i]
                 if v is None or v.dtype != ir.DataType.FLOAT:
                     continue
-                chosen = self._where(graph, flag, self._rounded(graph, v, rounded), v,
-                                     f"{v.name}.read{i}.{node.name}")
+                chosen = self._chosen(graph, flag, v, rounded, f"{v.name}.read{i}.{node.name}")
                 node.replace_input_with(i, chosen)
         self._instrument_outputs(graph, rounded)
         graph.sort()
@@ -90,8 +95,7 @@ class Emulator:
                 continue
             flag = self._flag(graph, key)
             uses = list(v.uses())
-            chosen = self._where(graph, flag, self._rounded(graph, v, rounded), v,
-                                 f"{v.name}.input_rounded")
+            chosen = self._chosen(graph, flag, v, rounded, f"{v.name}.input_rounded")
             for use in uses:
                 use.node.replace_input_with(use.idx, chosen)
 
@@ -102,25 +106,28 @@ class Emulator:
             if g is not graph or out.dtype != ir.DataType.FLOAT:
                 continue
             flag = self._flag(graph, key)
-            chosen = self._where(graph, flag, self._rounded(graph, out, rounded), out,
-                                 f"{out.name}.output_rounded")
+            chosen = self._chosen(graph, flag, out, rounded, f"{out.name}.output_rounded")
             name = out.name
             out.name, chosen.name = f"{name}.unrounded_output", name
             graph.outputs[index] = chosen
             self.visible[name] = name
 
-    def _flag(self, graph, key) -> ir.Value:
-        flag = ir.Value(name=f"{_FLAG_PREFIX}{len(self.flags)}",
-                        type=ir.TensorType(ir.DataType.BOOL), shape=ir.Shape([]))
-        graph.inputs.append(flag)
-        self.flags[key] = flag.name
-        return flag
+    def _flag(self, graph, key) -> dict[Label, ir.Value]:
+        """One boolean graph input per emulated low dtype of group ``key``."""
+        n = len(self.flags)
+        flags = {}
+        for label in self.labels:
+            suffix = "" if len(self.labels) == 1 else f".{label.value}"
+            flags[label] = ir.Value(name=f"{_FLAG_PREFIX}{n}{suffix}",
+                                    type=ir.TensorType(ir.DataType.BOOL), shape=ir.Shape([]))
+            graph.inputs.append(flags[label])
+        self.flags[key] = {label: flag.name for label, flag in flags.items()}
+        return flags
 
     def _round_output(self, graph, node, out: ir.Value, flag, rounded) -> None:
         uses = list(out.uses())
         was_output = out.is_graph_output()
-        chosen = self._where(graph, flag, self._rounded(graph, out, rounded), out,
-                             f"{out.name}.rounded")
+        chosen = self._chosen(graph, flag, out, rounded, f"{out.name}.rounded")
         for use in uses:
             use.node.replace_input_with(use.idx, chosen)
         if was_output:
@@ -132,17 +139,28 @@ class Emulator:
         else:
             self.visible[out.name] = chosen.name
 
-    def _rounded(self, graph, v: ir.Value, rounded: dict) -> ir.Value:
-        if v not in rounded:
-            down = ir.node("Cast", [v], {"to": self.low})
+    def _chosen(self, graph, flags: dict[Label, ir.Value], v: ir.Value, rounded: dict,
+                name: str) -> ir.Value:
+        """``v`` rounded to the dtype whose flag is set, else ``v``: one ``Where`` per
+        emulated dtype, the first dtype outermost (it keeps ``name``)."""
+        chosen = v
+        for i, label in reversed(list(enumerate(self.labels))):
+            inner = name if i == 0 else f"{name}.unless_{label.value}"
+            chosen = self._where(graph, flags[label], self._rounded(graph, v, rounded, label),
+                                 chosen, inner)
+        return chosen
+
+    def _rounded(self, graph, v: ir.Value, rounded: dict, label: Label) -> ir.Value:
+        if (v, label) not in rounded:
+            down = ir.node("Cast", [v], {"to": _LOW_ONNX[label]})
             up = ir.node("Cast", [down.outputs[0]], {"to": ir.DataType.FLOAT})
             n = len(rounded)  # unique: a renamed graph output may reuse a value's name
             down.outputs[0].name = f"{v.name}.low{n}"
             up.outputs[0].name = f"{v.name}.round{n}"
             up.outputs[0].dtype = ir.DataType.FLOAT
             graph.extend([down, up])
-            rounded[v] = up.outputs[0]
-        return rounded[v]
+            rounded[v, label] = up.outputs[0]
+        return rounded[v, label]
 
     def _where(self, graph, flag, a, b, name: str) -> ir.Value:
         node = ir.node("Where", [flag, a, b])
@@ -154,13 +172,27 @@ class Emulator:
     def run(self, feeds: Mapping[str, np.ndarray], plan, fetch: list[str] | None = None
             ) -> list[np.ndarray]:
         """Outputs (or ``fetch``) under ``plan`` (None: all FP32)."""
-        flags = {name: np.array(plan is not None and plan.precision(k) is Precision.LOW)
-                 for k, name in self.flags.items()}
-        return self.session.run(fetch or self.outputs, {**feeds, **flags})
+        return self.session.run(fetch or self.outputs, {**feeds, **self.flag_feeds(plan)})
+
+    def flag_feeds(self, plan) -> dict[str, np.ndarray]:
+        """Each flag set where ``plan`` runs its group in the flag's dtype (None: none)."""
+        feeds = {}
+        for key, flags in self.flags.items():
+            label = None if plan is None else plan.label(key, self.low)
+            feeds.update({name: np.array(label is own) for own, name in flags.items()})
+        return feeds
 
     def error(self, feeds, reference: list[np.ndarray], plan) -> float:
         """The metric (``core.metric``) of the outputs under ``plan`` against ``reference``."""
         return worst_relative_error(reference, self.run(feeds, plan))
+
+
+def emulated_labels(pass_) -> tuple[Label, ...]:
+    """The low dtypes a pass's plans give groups: fp16 and bf16 for a mixed plan
+    (``OnnxOptions.mixed``), else the view's low dtype."""
+    if pass_.options.mixed:
+        return (Label.FP16, Label.BF16)
+    return (pass_.view.low.label,)
 
 
 def _session(proto: onnx.ModelProto):

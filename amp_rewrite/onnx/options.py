@@ -115,12 +115,6 @@ class RewriteOptions:
            names: Mapping[str, str] | None = None) -> RewriteOptions:
         """Checked options; ``names``: the user's spellings (the CLI's flags)."""
         options = o.checked(cls, keywords, where=where, names=names)
-        if options.dtype == MIXED and options.max_error is not None:
-            # the budget's emulation rounds every low node to one dtype (onnx/emulation.py)
-            names = names or {}
-            raise o.ArgumentError(f"{names.get('max_error', 'max_error')} does not take "
-                                  f"{names.get('dtype', 'dtype')} mixed yet: use fp16 or bf16 "
-                                  "with it")
         if options.emit_rules is not None and options.max_error is None:
             names = names or {}
             raise o.ArgumentError(f"{names.get('emit_rules', 'emit_rules')} writes the pins of "
