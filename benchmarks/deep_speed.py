@@ -48,11 +48,11 @@ DEPTHS = {"gpt2": ("n_layer", 48, "gpt2"),  # GPT-2 XL
 MODEL_TYPES = ("bert",)  # fall-backs after the model's own type
 
 
-def _amp_rewrite(fuse: bool) -> Callable[[Path], onnx.ModelProto]:
+def _amp_rewrite(fuse: bool, dtype: str = "float16") -> Callable[[Path], onnx.ModelProto]:
     def convert(path: Path) -> onnx.ModelProto:
         import amp_rewrite
 
-        return amp_rewrite.rewrite_onnx(path, dtype="float16", keep_io_types=True,
+        return amp_rewrite.rewrite_onnx(path, dtype=dtype, keep_io_types=True,
                                         check=False, fuse=fuse)
     return convert
 
@@ -108,7 +108,8 @@ def _summary(model: onnx.ModelProto, fp32_out: dict, feeds: dict) -> dict:
 
 
 def converters_for(name: str, path: Path) -> dict[str, Callable[[Path], onnx.ModelProto]]:
-    converters = {"amp_rewrite": _amp_rewrite(True), "amp_rewrite --no-fuse": _amp_rewrite(False)}
+    converters = {"amp_rewrite": _amp_rewrite(True), "amp_rewrite --no-fuse": _amp_rewrite(False),
+                  "amp_rewrite --dtype mixed": _amp_rewrite(True, "mixed")}
     ort = ort_optimizer_for(name, path)
     if ort is not None:
         converters[f"ort_optimizer[{ort[0]}]"] = ort[1]
