@@ -74,8 +74,9 @@ def _ours(path: Path, dtype: str, calibration: Mapping[str, np.ndarray]
     report = result.report
     extra = {"planned_cast_bytes": report["cast_bytes_planned"]}
     if "mixed" in report:
-        extra.update(solver=report["mixed"]["solver"].get("status"),
-                     gap=report["mixed"]["solver"].get("gap"),
+        solver = report["mixed"]["solver"]
+        extra.update(solver=solver.get("status"), gap=solver.get("gap"),
+                     two_step_cast_bytes=solver.get("two_step_cast_bytes"),
                      dtype_counts=report.get("dtype_counts"),
                      cast_bytes_by_pair=report["mixed"]["cast_bytes"])
     return result.proto(), seconds, extra

@@ -735,9 +735,13 @@ def plan_mixed(graph: PrecisionGraph, rules: RuleSet, *,
                  for k, d in plan.decisions.items()}
     casts = tuple(CastPlan(c.value, Precision.HIGH if c.to is Label.FP32 else Precision.LOW,
                            c.consumers, c.to) for c in plan.casts)
+    # the two-step baseline (fp32 cut, then fp16/bf16) on the same sets: a user sees what
+    # the exact three-label plan saves; it costs a fraction of the solve (decision 0037)
+    baseline = two_step_plan(graph, sets, savings_weight=savings_weight, free=free)
     solver = {"status": plan.status, "gap": round(plan.gap, 6),
               "seconds": round(plan.seconds, 4), "solved_by": dict(plan.solved_by),
-              "counts": {label.value: n for label, n in plan.counts.items()}}
+              "counts": {label.value: n for label, n in plan.counts.items()},
+              "two_step_cast_bytes": baseline.cast_bytes}
     return PrecisionPlan(MappingProxyType(decisions), casts, plan.cast_bytes,
                          MappingProxyType(solver))
 

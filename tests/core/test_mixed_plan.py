@@ -33,6 +33,7 @@ def test_a_range_op_runs_bf16_and_starts_no_deny_propagation():
     assert sorted((c.value, plan.cast_label(c, F16)) for c in plan.casts) == [
         ("add:out", F32), ("mm:out", B16), ("x:out", F16)]
     assert plan.solver["status"] == "OPTIMAL" and plan.solver["gap"] == 0
+    assert plan.solver["two_step_cast_bytes"] >= plan.cast_units
 
 
 def test_without_the_range_entry_the_same_op_is_deny_and_its_readers_fp32():

@@ -333,3 +333,18 @@ def test_hot_ffn_mixed_keeps_gemms_low_with_less_error_than_bf16(name):
 def test_hot_ffn_mixed_error_within_one_and_a_half_of_fp16(name):
     errors, _ = _hot_plans(name)
     assert errors["mixed"] <= 1.5 * errors["fp16"]
+
+
+@pytest.mark.slow  # exports zoo models
+@pytest.mark.parametrize("name", ["t5", "llama"])
+def test_hot_ffn_mixed_placement_is_proven_optimal_and_no_worse_than_two_steps(name):
+    from amp_rewrite.onnx.budget import default_feeds
+    from tests.models import hot
+
+    path, feeds = hot.cached_hot_onnx(name, 3e5)
+    calibration, _, _, _ = default_feeds(onnx.load(path), feeds)
+    report = rewrite_onnx_model(path, dtype="mixed", calibration_data=calibration).report
+    solver = report["mixed"]["solver"]
+    assert solver["status"] == "OPTIMAL" and solver["gap"] == 0
+    assert report["cast_bytes_planned"] <= solver["two_step_cast_bytes"]
+    assert report["dtype_counts"]["bfloat16"] > 0  # the hot FFN needs range
