@@ -54,6 +54,24 @@ def rule_fixes(graph: PrecisionGraph, rules: RuleSet, classes: dict[Hashable, Op
     return fixes
 
 
+def direct_fixes(graph: PrecisionGraph, rules: RuleSet, classes: dict[Hashable, OpClass],
+                 keep_fp32: Iterable[str] = (), pins: Mapping[Hashable, str] | None = None,
+                 low_pins: Mapping[Hashable, str] | None = None,
+                 wide_values: Mapping[Hashable, str] | None = None) -> dict[Hashable, Fix]:
+    """Every fix but deny propagation's, later ones winning: the adapter's, patterns and
+    rule classes (``rule_fixes``), ``pins`` (high), ``low_pins`` and the rules' ``[keep_low]``
+    (low, not over the adapter), then readers of ``wide_values`` (high: no rule makes a
+    clamp harmless). The plans of two and three labels both start here."""
+    fixes = rule_fixes(graph, rules, classes, keep_fp32)
+    fixes.update({k: Fix(Precision.HIGH, why) for k, why in (pins or {}).items()})
+    low = {**low_pattern_pins(graph, rules), **(low_pins or {})}
+    fixes.update({k: Fix(Precision.LOW, why) for k, why in low.items()
+                  if graph.group(k).fixed is None})
+    if wide_values:
+        fixes.update(range_fixes(graph, classes, wide_values))
+    return fixes
+
+
 def low_pattern_pins(graph: PrecisionGraph, rules: RuleSet) -> dict[Hashable, str]:
     """Groups the rules' ``[keep_low]`` patterns name, with the entry's reason."""
     entries = [e for e in rules.pins if e.low]

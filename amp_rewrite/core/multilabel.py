@@ -141,13 +141,8 @@ def label_sets(graph: PrecisionGraph, rules: RuleSet, *,
     by_rule = {g.key: rules.range_entry(g.op_key) for g in graph.groups()
                if g.fixed is None and rules.needs_range(g.op_key)}
     classes.update({k: OpClass.ALLOW for k in by_rule})
-    fixes = constraints.rule_fixes(graph, rules, classes, keep_fp32)
-    fixes.update({k: constraints.Fix(Precision.HIGH, why) for k, why in (pins or {}).items()})
-    low = {**constraints.low_pattern_pins(graph, rules), **(low_pins or {})}
-    fixes.update({k: constraints.Fix(Precision.LOW, why) for k, why in low.items()
-                  if graph.group(k).fixed is None})
-    if wide_values:
-        fixes.update(constraints.range_fixes(graph, classes, wide_values))
+    fixes = constraints.direct_fixes(graph, rules, classes, keep_fp32, pins, low_pins,
+                                     wide_values)
     needs = (constraints.range_fixes(graph, classes, fp16_wide_values, _FP16_RANGE)
              if fp16_wide_values else {})
     for key, why in (range_groups or {}).items():

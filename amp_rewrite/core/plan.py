@@ -80,13 +80,8 @@ def plan_precision(graph: PrecisionGraph, rules: RuleSet, *, keep_fp32: Iterable
     ``wide_values``: value → why the low dtype cannot hold it (``constraints.range_fixes``).
     """
     classes = constraints.classify_groups(graph, rules)
-    fixes = constraints.rule_fixes(graph, rules, classes, keep_fp32)
-    fixes.update({k: constraints.Fix(Precision.HIGH, why) for k, why in (pins or {}).items()})
-    low = {**constraints.low_pattern_pins(graph, rules), **(low_pins or {})}
-    fixes.update({k: constraints.Fix(Precision.LOW, why) for k, why in low.items()
-                  if graph.group(k).fixed is None})
-    if wide_values:
-        fixes.update(constraints.range_fixes(graph, classes, wide_values))
+    fixes = constraints.direct_fixes(graph, rules, classes, keep_fp32, pins, low_pins,
+                                     wide_values)
     bounded = constraints.bounded_groups(graph, rules)
     fixes.update(constraints.deny_propagation(graph, classes, fixes, bounded))
     fixed = {k: f.precision for k, f in fixes.items()}
