@@ -76,6 +76,14 @@ class LowDtype(enum.Enum):
         return Label.FP16 if self is LowDtype.FLOAT16 else Label.BF16
 
     @property
+    def range_threshold(self) -> float:
+        """Magnitude above which a value observed in data counts as beyond this dtype: fp16's
+        is 1/16 of its range (headroom for inputs the data did not show), bf16's is near
+        its own. Calibration on the ONNX path and recorded activations on the torch path
+        both use it; a mixed plan sends values above fp16's to bf16, above bf16's to fp32."""
+        return 4096.0 if self is LowDtype.FLOAT16 else 1e37
+
+    @property
     def max_finite(self) -> float:
         return 65504.0 if self is LowDtype.FLOAT16 else 3.3895313892515355e38
 

@@ -8,9 +8,8 @@ cannot hold, so their readers and writers run bf16 (or fp32) instead (core/multi
 * Activations are known from data only: ``record_ranges`` runs the prepared FP32 graph once
   on the example inputs and stores max|x| in each float32 value node's meta
   (``RANGE_META``), so a second rewrite of the result, which has no inputs to run, plans
-  the same. A value above ``ACTIVATION_HEADROOM`` (1/16 of fp16's range, the ONNX
-  calibration's default threshold in ``onnx/api.default_threshold``: room for inputs the
-  example did not show) is fp16-wide; its producer needs range too, as the reader does.
+  the same. A value above ``ACTIVATION_HEADROOM`` (1/16 of fp16's range, as the ONNX
+  calibration: room for inputs the example did not show) is fp16-wide; its producer needs range too, as the reader does.
 """
 from __future__ import annotations
 
@@ -22,13 +21,15 @@ from typing import Any
 import torch
 from torch.fx import Node
 
+from amp_rewrite.core.precision import LowDtype
 from amp_rewrite.fx.capture import flat_inputs
 from amp_rewrite.fx.view import CAST_TAG, FP16_MAX, FP32_SENTINEL, FxView
 
 RANGE_META = "amp_rewrite_max_abs"  # node.meta key: max|x| of the value on the example inputs
 BF16_MAX = float(torch.finfo(torch.bfloat16).max)
-ACTIVATION_HEADROOM = FP16_MAX / 16  # 4096: see the module docstring
-BF16_HEADROOM = 1e37  # the ONNX calibration's bf16 threshold (onnx/api.default_threshold)
+# the thresholds calibration uses on the ONNX path (core/precision.LowDtype.range_threshold)
+ACTIVATION_HEADROOM = LowDtype.FLOAT16.range_threshold
+BF16_HEADROOM = LowDtype.BFLOAT16.range_threshold
 
 
 @dataclass

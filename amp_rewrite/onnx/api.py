@@ -84,7 +84,8 @@ class RewriteResult:
 def default_threshold(dtype: LowDtype | str) -> float:
     """Calibration pins values above 1/16 of the fp16 range: headroom for later growth.
     A mixed plan's threshold is fp16's: values above it run bf16 (``bf16_threshold``)."""
-    return 1e37 if dtype is LowDtype.BFLOAT16 else 4096.0
+    low = dtype if dtype is LowDtype.BFLOAT16 else LowDtype.FLOAT16
+    return low.range_threshold  # core/precision.py
 
 
 def bf16_threshold() -> float:
