@@ -164,3 +164,32 @@ def test_the_compile_backend_takes_dtype_mixed(fresh_dynamo):
     assert entry["report"]["dtype"] == "mixed"
     records = {r["op_type"]: r.get("dtype") for r in entry["report"]["nodes"]}
     assert records["pow"] == records["sum"] == "bfloat16"
+
+
+class _ScaledFfn(torch.nn.Module):
+    """A hidden layer scaled beyond fp16's range by a buffer, scaled back before the output
+    projection; the output is a [range] reduction (pow(2).sum())."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+        self.register_buffer("scale", torch.full((64,), 1e5))
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x) * self.scale) / 1e5).pow(2).sum(-1)
+
+
+def test_the_accuracy_budget_chooses_among_three_dtypes():
+    torch.manual_seed(0)
+    model = _ScaledFfn().eval()
+    x, data = torch.randn(8, 32), [torch.randn(8, 32) for _ in range(4)]
+    loose = amp_rewrite.rewrite(model, (x,), dtype="mixed", max_error=1.0,
+                                calibration_data=data, device="cpu")
+    assert loose.amp_report["pinned_by_budget"] == []
+    assert loose.amp_report["dtype_counts"]["bfloat16"] > 0  # the scaled value needs range
+    tight = amp_rewrite.rewrite(model, (x,), dtype="mixed", max_error=0.0,
+                                calibration_data=data, device="cpu")
+    counts = tight.amp_report["dtype_counts"]
+    assert counts["float16"] == counts["bfloat16"] == 0  # E = 0: every node pinned fp32
+    with torch.no_grad():
+        assert torch.equal(tight(data[-1]), model(data[-1]))
