@@ -18,12 +18,12 @@ import torch
 from amp_rewrite.core import options as core_options
 from amp_rewrite.core import report as core_report
 from amp_rewrite.errors import UsageError
-from amp_rewrite.fx import budget as fx_budget
 from amp_rewrite.fx.capture import capture as capture_module
 from amp_rewrite.fx.capture import normalize_inputs
 from amp_rewrite.fx.fusion import FUSED_TAG
 from amp_rewrite.fx.modes import TrainEvalModule, in_mode
-from amp_rewrite.fx.options import BUDGET, GRAPH, TorchOptions
+from amp_rewrite.fx.options import (BUDGET, GRAPH, BudgetRequest, TorchOptions,
+                                    budget_request)
 from amp_rewrite.fx.passes import FxOptions
 from amp_rewrite.fx.pipeline import REPORT_KEY, run_pipeline
 
@@ -45,7 +45,7 @@ def rewrite(model: torch.nn.Module, example_inputs: Any = None, **options: Any
     """
     opts = TorchOptions.of(options, "rewrite")
     fx_options = FxOptions.of(opts)
-    budget = fx_budget.request(opts.max_error, calibration_data=opts.calibration_data,
+    budget = budget_request(opts.max_error, calibration_data=opts.calibration_data,
                                max_evaluations=opts.max_evaluations,
                                emit_rules=opts.emit_rules, example_inputs=example_inputs,
                                example_kwargs=opts.example_kwargs)
@@ -70,7 +70,7 @@ def rewrite(model: torch.nn.Module, example_inputs: Any = None, **options: Any
 def _capture_and_rewrite(model: torch.nn.Module, example_inputs: Any,
                          example_kwargs: Mapping[str, Any] | None, capture: str,
                          dynamic_shapes: Any, mode: str | None, options: FxOptions,
-                         budget: fx_budget.BudgetRequest | None = None
+                         budget: BudgetRequest | None = None
                          ) -> torch.fx.GraphModule:
     start = time.perf_counter()
     with in_mode(model, mode) if mode else contextlib.nullcontext():
@@ -91,7 +91,7 @@ def rewrite_graph(gm: torch.fx.GraphModule, **options: Any) -> torch.fx.GraphMod
     ``max_error``, ``calibration_data`` is required (one batch: searched, nothing held out).
     """
     opts = TorchOptions.of(options, "rewrite_graph", scopes=(GRAPH, BUDGET))
-    budget = fx_budget.request(opts.max_error, calibration_data=opts.calibration_data,
+    budget = budget_request(opts.max_error, calibration_data=opts.calibration_data,
                                max_evaluations=opts.max_evaluations,
                                emit_rules=opts.emit_rules)
     return run_pipeline(gm, FxOptions.of(opts), budget)

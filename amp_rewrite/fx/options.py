@@ -4,8 +4,8 @@ of the graph; each is checked here, at the call, in one line."""
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -13,6 +13,7 @@ import torch
 from amp_rewrite import arguments
 from amp_rewrite.core import PadPolicy
 from amp_rewrite.core import options as o
+from amp_rewrite.fx.capture import normalize_inputs
 
 # scopes: which entry points take an option
 GRAPH = "graph"  # a captured graph's rewrite: rewrite, rewrite_graph, the compile backend
@@ -139,3 +140,65 @@ class TorchOptions:
     def of(cls, keywords: Mapping[str, Any], where: str,
            scopes: tuple[str, ...] = (GRAPH, BUDGET, CAPTURE)) -> TorchOptions:
         return o.checked(cls, keywords, where=where, scopes=scopes)
+
+
+# ----------------------------------------------------------------------------- the budget's
+
+
+@dataclass(frozen=True)
+class BudgetRequest:
+    """What the user asked: the budget and the batches, split into searched and held out."""
+
+    max_error: float
+    max_evaluations: int
+    search: list[tuple]
+    held: list[tuple]  # empty: nothing held out
+    inputs: str  # where the search batches came from, for the report
+    held_out_inputs: str
+    kwargs: dict = field(default_factory=dict)  # example_kwargs, passed with every batch
+    emit_rules: str | os.PathLike | None = None
+
+
+def budget_request(max_error: float | None, *, calibration_data: list[tuple] | None,
+            max_evaluations: int, emit_rules: str | os.PathLike | None,
+            example_inputs: Any = None, example_kwargs: Mapping[str, Any] | None = None
+            ) -> BudgetRequest | None:
+    """What the budget options ask for (None without ``max_error``), after ``TorchOptions``
+    checked each. Batches: the first half of ``calibration_data`` searched, the rest held out;
+    one batch: ``example_inputs`` searched and the batch held out; no batch, or one without
+    examples: nothing held out."""
+    if max_error is None:
+        for name, value in (("calibration_data", calibration_data), ("emit_rules", emit_rules)):
+            if value is not None:
+                raise o.ArgumentError(f"{name}= needs max_error=: it feeds the "
+                                              "accuracy-budget search")
+        return None
+    examples = None
+    kwargs: dict = {}
+    if example_inputs is not None and (not isinstance(example_inputs, Sequence)
+                                       or len(example_inputs)):
+        examples, kwargs = normalize_inputs(example_inputs, example_kwargs)
+    search, held, inputs, held_inputs = _split(calibration_data, examples)
+    return BudgetRequest(max_error, max_evaluations, search, held, inputs, held_inputs, kwargs,
+                         emit_rules)
+
+
+def _split(data: list[tuple] | None, examples: tuple | None
+           ) -> tuple[list, list, str, str]:
+    nothing = "none: pass calibration_data with two batches or more to hold some out"
+    if data is None:
+        if examples is None:
+            raise o.ArgumentError("max_error= needs example_inputs or calibration_data "
+                                          "to measure the error on")
+        return [examples], [], "example_inputs", nothing
+    if len(data) == 1:
+        if examples is None:
+            return data, [], "calibration_data[0]", nothing
+        return [examples], data, "example_inputs", "calibration_data[0]"
+    half = (len(data) + 1) // 2
+    return (data[:half], data[half:], _span(0, half), _span(half, len(data)))
+
+
+def _span(start: int, stop: int) -> str:
+    return (f"calibration_data[{start}]" if stop - start == 1
+            else f"calibration_data[{start}:{stop}]")

@@ -19,6 +19,7 @@ from amp_rewrite.core import report as core_report
 from amp_rewrite.core.pipeline import Pass
 from amp_rewrite.core.rules import default_rules_path
 from amp_rewrite.fx import budget as fx_budget
+from amp_rewrite.fx.options import BudgetRequest
 from amp_rewrite.fx import guards, kernel_timing, lowering, ranges
 from amp_rewrite.fx.capture import fill_missing_fake_values, refresh_fake_values
 from amp_rewrite.fx.fp8 import RestoreFp8Gemms, fp8_section
@@ -68,7 +69,7 @@ class Lowered:
 
 
 def run_pipeline(gm: torch.fx.GraphModule, options: FxOptions,
-                 budget: fx_budget.BudgetRequest | None = None,
+                 budget: BudgetRequest | None = None,
                  examples: tuple[tuple, dict] | None = None) -> torch.fx.GraphModule:
     """The torch pipeline on a captured graph, in place, with checked options.
     ``budget``: search the accuracy budget's pins on copies of the prepared graph first,
