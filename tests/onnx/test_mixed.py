@@ -13,6 +13,7 @@ import json
 import ml_dtypes
 import numpy as np
 import onnx
+import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
@@ -225,9 +226,7 @@ def test_cli_exit_codes(tmp_path, capsys):
 
 # -- which providers run the output -----------------------------------------------------------
 
-def _bf16_model(op: str, opset: int) -> "onnx_ir.Model":  # noqa: F821
-    import onnx_ir as ir
-
+def _bf16_model(op: str, opset: int) -> ir.Model:
     nodes = [helper.make_node(op, ["a", "b"], ["y"], name="op")]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("a", BF16, [2]),
                                            helper.make_tensor_value_info("b", BF16, [2])],
