@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import json
 
-import ml_dtypes
 import numpy as np
 import onnx
 import onnx_ir as ir
