@@ -2,7 +2,7 @@
 
 Checked statically, so the answer does not depend on which xdist worker ran which test, on the
 order of the tests, or on what the test process happened to import before: every module under
-``amp_rewrite/`` (but ``amp_rewrite/bench``, benchmarks rather than product) must be imported,
+``amp_rewrite/`` (the product; benchmarks live outside it) must be imported,
 directly or through the product's own imports, by a test file that has at least one test not
 marked ``slow`` (by its own marks or by ``SLOW`` in tests/conftest.py). Imports inside
 functions count; ``importlib.import_module("...")`` counts; a name of the lazy table of
@@ -22,7 +22,6 @@ from tests import conftest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "amp_rewrite"
-EXCLUDED = ("amp_rewrite.bench",)
 LAZY: dict[str, str] = importlib.import_module("amp_rewrite")._LAZY  # attribute -> module
 
 
@@ -36,9 +35,7 @@ def _module_name(path: Path) -> str:
 def product_modules() -> dict[str, Path]:
     found = {}
     for path in sorted(PACKAGE.rglob("*.py")):
-        name = _module_name(path)
-        if not any(name == e or name.startswith(e + ".") for e in EXCLUDED):
-            found[name] = path
+        found[_module_name(path)] = path
     return found
 
 
