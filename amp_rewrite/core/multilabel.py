@@ -37,7 +37,7 @@ from typing import NamedTuple
 
 from amp_rewrite.core import constraints, maxflow, placement
 from amp_rewrite.core.graph import PrecisionGraph
-from amp_rewrite.core.plan import CastPlan, Decision, PrecisionPlan
+from amp_rewrite.core.plan import CastPlan, Decision, PrecisionPlan, cast_needs
 from amp_rewrite.core.precision import Label, OpClass, Precision
 from amp_rewrite.core.rules import RuleSet
 
@@ -560,19 +560,8 @@ def plan_label_casts(graph: PrecisionGraph, labels: Mapping[Hashable, Label],
                      free: placement.FreeReads = frozenset()) -> tuple[LabelCast, ...]:
     """One cast per (value, target label), shared by the readers that need it; a reader
     running fp32 that reads the value for free needs none."""
-    casts: list[LabelCast] = []
-    fp32 = Label.FP32
-    for value, consumers in graph._consumers.items():
-        producer = graph._producer.get(value)
-        have = labels[producer] if producer is not None else fp32
-        wanting: dict[Label, list[Hashable]] = {}
-        for c in consumers:
-            label = labels[c]
-            if label is not have and not (label is fp32 and (value, c) in free):
-                wanting.setdefault(label, []).append(c)
-        units = graph.cost_units(value)
-        casts.extend(LabelCast(value, to, tuple(cs), units) for to, cs in wanting.items())
-    return tuple(casts)
+    return tuple(LabelCast(value, to, readers, graph.cost_units(value))
+                 for value, to, readers in cast_needs(graph, labels, free, Label.FP32))
 
 
 _FP16_RANGE = "beyond fp16's range"  # how a range need's reason ends (``_decision`` goes on)

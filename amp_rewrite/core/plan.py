@@ -10,7 +10,7 @@ true cast bytes are lower, so the plan is exact with fixed anchors and never wor
 from __future__ import annotations
 
 import functools
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import NamedTuple
@@ -153,18 +153,26 @@ def plan_casts(graph: PrecisionGraph, labels: Mapping[Hashable, Precision],
 
     A HIGH consumer with a free read (``placement.free_reads``) promotes the value itself.
     """
-    casts: list[CastPlan] = []
-    high = Precision.HIGH
+    return tuple(CastPlan(value, to, readers)
+                 for value, to, readers in cast_needs(graph, labels, free, Precision.HIGH))
+
+
+def cast_needs(graph: PrecisionGraph, labels: Mapping[Hashable, Hashable],
+               free: placement.FreeReads, high: Hashable
+               ) -> Iterator[tuple[Hashable, Hashable, tuple[Hashable, ...]]]:
+    """(value, label wanted, readers wanting it) for every value some reader needs in another
+    label than its producer's (a graph input is made ``high``); a ``high`` reader with a free
+    read needs none. Two labels (``Precision``) and three (``Label``) alike."""
     for value, consumers in graph._consumers.items():  # the hot loop: no accessor calls
         producer = graph._producer.get(value)
         have = labels[producer] if producer is not None else high
-        wanting: dict[Precision, list[Hashable]] = {}
+        wanting: dict[Hashable, list[Hashable]] = {}
         for c in consumers:
             label = labels[c]
             if label is not have and not (label is high and (value, c) in free):
                 wanting.setdefault(label, []).append(c)
-        casts.extend(CastPlan(value, to, tuple(cs)) for to, cs in wanting.items())
-    return tuple(casts)
+        for to, readers in wanting.items():
+            yield value, to, tuple(readers)
 
 
 def explain_chain(plan: PrecisionPlan, graph: PrecisionGraph, group: Hashable) -> list[str]:
