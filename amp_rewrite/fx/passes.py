@@ -348,6 +348,8 @@ class TorchDetails:
     emulated_gemms: dict | None = None
     fp8: dict | None = None
     attention_masks_dropped: int = 0
+    # hot GEMM chains shifted into fp16's range: {"node", "shift", "down"} (fx/rescale.py)
+    rescaled: list[dict] = field(default_factory=list)
 
 
 def _mixed_plan(gm: torch.fx.GraphModule, view: FxView, rules: RuleSet,

@@ -32,6 +32,8 @@ from amp_rewrite.fx.pad import PadGemms
 from amp_rewrite.fx.passes import (DropFullSlices, FunctionalizeInPlace, FxOptions,
                                    InlineModules, MixedPrecisionPass)
 from amp_rewrite.fx.pointwise import CUDA_MIN_SAVED_BYTES, FusePointwise, UnfuseRegions
+from amp_rewrite.fx.rescale import RescaleHotChains
+from amp_rewrite.fx.rescale import explanation as rescale_explanation
 from amp_rewrite.fx.view import is_cast
 from amp_rewrite.runtime import gc_paused
 
@@ -56,6 +58,7 @@ class Prepared:
     masks: DropTrivialAttentionMasks
     record: core_pipeline.Record
     start: float
+    rescale: RescaleHotChains = dataclasses.field(default_factory=RescaleHotChains)
 
 
 @dataclasses.dataclass
@@ -79,10 +82,8 @@ def run_pipeline(gm: torch.fx.GraphModule, options: FxOptions,
         fx_budget.check_not_rewritten(gm)
         reference = fx_budget.References.of(gm, budget)
     prepared = prepare(gm, options)
-    if options.mixed and examples is not None:
-        core_pipeline.run(gm, "prepare", [Pass("record value ranges", lambda g: ranges.
-                                               record_ranges(g, *examples) and False)],
-                          prepared.record)
+    if options.mixed:
+        core_pipeline.run(gm, "prepare", _range_passes(prepared, examples), prepared.record)
     outcome = None
     if budget is not None:
         outcome = fx_budget.search_budget(gm, lambda copy, pins: plan_and_lower(
@@ -135,6 +136,17 @@ def prepare_passes(options: FxOptions, rules: RuleSet, convert: guards.ConvertFo
         Pass("drop full slices", DropFullSlices()),
         Pass("drop trivial attention masks", masks),
     ]
+
+
+def _range_passes(prepared: Prepared, examples: tuple[tuple, dict] | None) -> list[Pass]:
+    """A mixed plan's magnitudes, after the prepare passes (fusions and fresh fake values
+    first): the ranges recorded on the examples, then hot GEMM chains shifted into fp16's
+    range (fx/rescale.py), which reads them. A second rewrite has no examples; it keeps the
+    first's (already shifted) ranges, and its shifted weights are no plain get_attr."""
+    record = [Pass("record value ranges",
+                   lambda g: ranges.record_ranges(g, *examples) and False)] \
+        if examples is not None else []
+    return [*record, Pass("rescale hot chains", prepared.rescale)]
 
 
 def prepare(gm: torch.fx.GraphModule, options: FxOptions) -> Prepared:
@@ -260,11 +272,15 @@ def _report(gm: torch.fx.GraphModule, prepared: Prepared, lowered: Lowered,
     report = lowered.amp.report()
     for name, line in lowered.fp8.lines.items():
         report.why.setdefault(name, []).append(line)
+    for entry in prepared.rescale.rescaled:
+        for name in (entry["node"], entry["down"]):
+            report.why.setdefault(name, []).append(rescale_explanation(entry))
     report.why = _for_device(_with_fusions(gm, report.why), device)
     report.padding, report.fused = lowered.pad.section, _fused_summary(gm, pointwise)
     details = report.details
     details.notes = _true_notes(details.notes, prepared.convert.notes)
     details.device, details.emulated_gemms = device, lowered.emulate.section
+    details.rescaled = prepared.rescale.rescaled
     details.fp8, details.attention_masks_dropped = lowered.fp8.section, prepared.masks.dropped
     report.steps = prepared.record.as_report()
     report.seconds = round(time.perf_counter() - prepared.start, 4)

@@ -7,6 +7,7 @@ so running the pass on its own output reports ``modified=False``.
 from __future__ import annotations
 
 from collections.abc import Mapping
+import dataclasses
 import fnmatch
 import functools
 import logging
@@ -27,6 +28,7 @@ from amp_rewrite.onnx.apply import ApplyStats, apply_plan
 from amp_rewrite.core.rules import close_match
 from amp_rewrite.onnx.mixed import MixedInputs, group_flops, hot_groups, mixed_inputs
 from amp_rewrite.onnx.pad import PadStats, pad_model, pad_report
+from amp_rewrite.onnx.rescale import Rescaled, rescale_hot_chains
 from amp_rewrite.onnx.fusion import FUSED_TAG, FusionPass
 from amp_rewrite.onnx.view import INSERTED_TAG, OnnxView, build_view
 
@@ -98,6 +100,8 @@ class OnnxDetails:
     low_io: dict
     fusion_rules: dict[str, int]
     opset_conversion: str | None = None  # set by the entry point, which converts
+    # hot GEMM chains rescaled into fp16's range: {"node": up, "shift": k, "down": down}
+    rescaled: list = field(default_factory=list)
 
 
 class MixedPrecisionPass(ir.passes.InPlacePass):
@@ -121,6 +125,7 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
         self.mixed_inputs: MixedInputs | None = None  # a mixed plan's, once per view
         self.flops: dict = {}  # a mixed plan's FLOPs per group (the report's shares)
         self.pad_stats = PadStats()
+        self.rescaled: list[Rescaled] = []  # hot GEMM chains scaled into fp16 (onnx/rescale.py)
         self.record = core_pipeline.Record()
         self._graphs: list[ir.Graph] | None = None
 
@@ -132,14 +137,18 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
         core_pipeline.run(model, "lower", [Pass("pad gemms", self._pad)] if self.options.pad
                           else [], self.record)
         _forget_load_time_types(self.info.untyped)
-        return ir.passes.PassResult(model, modified=self.modified
+        return ir.passes.PassResult(model, modified=self.modified or bool(self.rescaled)
                                     or bool(self.fusion and self.fusion.rule_hits))
 
     def prepare_passes(self) -> list[Pass]:
         """Fuse patterns first, then plan (docs/design.md §1); the view is built on the
-        fused model, with types inferred where fusion or loading left none."""
+        fused model, with types inferred where fusion or loading left none. A mixed plan
+        with values calibration saw beyond fp16 first rescales the hot GEMM chains it can
+        into fp16's range (onnx/rescale.py), on the fused graph, whose FFNs are the chains."""
         fusion = [Pass("fuse patterns", self._fuse)] if self.options.fuse else []
-        return [*fusion, Pass("infer missing types", self._infer_types),
+        rescale = [Pass("rescale hot chains", self._rescale)] \
+            if self.options.mixed and self.options.hot_values else []
+        return [*fusion, *rescale, Pass("infer missing types", self._infer_types),
                 Pass("build precision view", self._build_view)]
 
     def prepare(self, model: ir.Model) -> OnnxView:
@@ -150,6 +159,16 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
     def _fuse(self, model: ir.Model) -> ir.passes.PassResult:
         self.fusion = FusionPass(self.options.target)
         return self.fusion(model)
+
+    def _rescale(self, model: ir.Model) -> bool:
+        """Scale hot chains' weights by powers of two (exact: the FP32 model computes the
+        same) and divide their values' recorded maxima alike: within fp16's threshold, they
+        leave ``hot_values`` and the plan runs them fp16 (core/rescale.py)."""
+        self.rescaled = rescale_hot_chains(model.graph, self.options.hot_values)
+        if self.rescaled:
+            self.options = dataclasses.replace(
+                self.options, hot_values=_shifted_maxima(self.options.hot_values, self.rescaled))
+        return bool(self.rescaled)
 
     def _infer_types(self, model: ir.Model) -> bool:
         self._graphs = model_graphs(model, self.info.flat)  # one walk for both steps
@@ -244,10 +263,11 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
                 s.constant_copies, s.values_clamped, s.clamped_constants,
                 sorted(self.view.wide_values.values()), sorted(self.options.pinned_values),
                 s.inserted_casts, self.opset_advice(), self.low_io,
-                dict(self.fusion.rule_hits) if self.fusion else {}),
+                dict(self.fusion.rule_hits) if self.fusion else {},
+                rescaled=[r.as_report() for r in self.rescaled]),
             mixed=self._mixed_section() if self.options.mixed else None,
             steps=self.record.as_report(),
-            why=Reasons(self.plan, self.view.graph, self._fused_by))
+            why=Reasons(self.plan, self.view.graph, self._created_by))
 
     def _mixed_section(self) -> dict:
         """The report's ``mixed``: core/report.mixed_summary with FLOPs from the shapes, and
@@ -290,10 +310,37 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
     def _opset(self, domain: str) -> int:
         return dict(self.view.opsets).get(domain, 1)
 
+    def _created_by(self, name: str, keys: list) -> list[str]:
+        """Lines ``explain`` puts first: the fusion rule that created the node, and the
+        rescaling that changed its weights."""
+        return [*self._fused_by(name, keys), *_rescaled_lines(name, self.rescaled)]
+
     def _fused_by(self, name: str, keys: list) -> list[str]:
         rules = {self.view.groups[k][0].metadata_props.get(FUSED_TAG)
                  for k in keys if k in self.view.groups} - {None}
         return [f"{name}: created by fusion rule {r}" for r in sorted(rules)]
+
+
+def _shifted_maxima(maxima: Mapping[str, float], rescaled: list[Rescaled]) -> dict:
+    """Calibration maxima with each rescaled chain value's divided by its chain's 2^k, and
+    those now within fp16's threshold dropped (``core.rescale.shift`` chose k for that)."""
+    factors = {name: 2.0 ** -r.shift for r in rescaled for name in r.values}
+    shifted = {name: m * factors.get(name, 1.0) for name, m in maxima.items()}
+    threshold = LowDtype.FLOAT16.range_threshold
+    return {name: m for name, m in shifted.items() if name not in factors or m > threshold}
+
+
+def _rescaled_lines(name: str, rescaled: list[Rescaled]) -> list[str]:
+    lines = []
+    for r in rescaled:
+        if name == r.up:
+            lines.append(f"{name}: weights scaled by 2^-{r.shift} (and {r.down}'s by "
+                         f"2^{r.shift}) so the chain to {r.down} fits fp16 (core/rescale.py)")
+        elif name == r.down:
+            lines.append(f"{name}: weights scaled by 2^{r.shift} (and {r.up}'s by "
+                         f"2^-{r.shift}) so the chain from {r.up} fits fp16 "
+                         "(core/rescale.py)")
+    return lines
 
 
 def _warn_unmatched_patterns(patterns: tuple[str, ...], view: OnnxView) -> None:

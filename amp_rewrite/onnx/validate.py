@@ -729,23 +729,26 @@ def _finite_max(a: np.ndarray) -> float | None:
 
 
 def value_maxima(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dict[str, float]:
-    """max |x| of every float32 value of the main graph in one FP32 run."""
+    """max |x| of every float32 value of the main graph in one FP32 run, graph outputs
+    included (their producers overflow a low dtype as any other's do)."""
     import onnx_ir as ir
 
     m = ir.from_proto(model)
+    originals = [v for v in m.graph.outputs if v.dtype == ir.DataType.FLOAT and v.name]
     existing = {v.name for v in m.graph.outputs}
     extra = [v for n in m.graph for v in n.outputs
              if v.dtype == ir.DataType.FLOAT and v.name and v.name not in existing]
     m.graph.outputs.extend(extra)
+    fetched = [*dict.fromkeys(originals), *extra]
     proto = ir.to_proto(m)
     check_feeds(proto, feeds)
     try:
-        outputs = session(proto).run([v.name for v in extra], dict(feeds))
+        outputs = session(proto).run([v.name for v in fetched], dict(feeds))
     except Exception as e:  # noqa: BLE001 - onnxruntime's errors have no common base
         raise ModelError(f"calibration: onnxruntime failed running the FP32 model on the "
                          f"calibration data ({first_line(e)[:300]})") from None
     return {v.name: float(np.nanmax(np.abs(o))) if o.size else 0.0
-            for v, o in zip(extra, outputs)}
+            for v, o in zip(fetched, outputs)}
 
 
 # -- which providers can run the output ----------------------------------------------------

@@ -82,7 +82,8 @@ def test_a_hot_t5_trains_in_mixed_like_fp32_where_autocast_fp16_overflows(monkey
     gm = amp_rewrite.rewrite(copy.deepcopy(base), data[0][:3], dtype="mixed", device="cpu",
                              mode="train", emulate_gemms=True)
     counts = gm.amp_report["dtype_counts"]
-    assert counts["float16"] > 0 and counts["bfloat16"] > 0
+    # the hot FFNs are shifted into fp16's range (fx/rescale.py): they run fp16, not bf16
+    assert counts["float16"] > 0 and gm.amp_report["rescaled"]
     amp = AmpOptimizer(torch.optim.Adam(gm.parameters(), lr=LEARNING_RATE), model=gm)
     assert amp.scaler.scaling  # fp16 nodes: scaled
 
