@@ -13,6 +13,7 @@ import amp_rewrite
 from amp_rewrite.fx import rewrite_graph
 from amp_rewrite.fx.rescale import RESCALE_TAG
 from amp_rewrite.training import AmpOptimizer
+from tests.fx.test_mixed import _relative_error, _runtime_dtypes
 
 FP16_TOLERANCE = 2e-3  # a few fp16 roundings (2^-11 each) on the way to the output
 FP16_THRESHOLD = 4096.0  # core/precision.LowDtype.FLOAT16.range_threshold
@@ -34,27 +35,6 @@ def _hot_ffn() -> tuple[nn.Sequential, torch.Tensor]:
 def _mixed(model: nn.Module, x: torch.Tensor, **kwargs) -> torch.fx.GraphModule:
     return amp_rewrite.rewrite(model, (x,), dtype="mixed", device="cpu", fuse=False,
                                **kwargs)
-
-
-def _runtime_dtypes(gm: torch.fx.GraphModule, *args) -> dict[str, torch.dtype]:
-    """Node name -> dtype of the tensor it produced when the graph ran."""
-    seen = {}
-
-    class Recorder(torch.fx.Interpreter):
-        def run_node(self, n):
-            out = super().run_node(n)
-            if isinstance(out, torch.Tensor):
-                seen[n.name] = out.dtype
-            return out
-
-    flat = torch.fx._pytree.tree_flatten_spec((args, {}), gm._in_spec)
-    with torch.no_grad():
-        Recorder(gm).run(*flat, enable_io_processing=False)
-    return seen
-
-
-def _relative_error(want: torch.Tensor, got: torch.Tensor) -> float:
-    return float((want - got.float()).abs().max() / want.abs().max())
 
 
 def _no_shift(monkeypatch) -> None:
