@@ -273,6 +273,7 @@ def _check_paths(args) -> _RunPaths:
 
 def _load_and_rewrite(args, paths: _RunPaths, stages):
     from amp_rewrite.onnx import save
+    from amp_rewrite.onnx.api import rewrite_checked
     from amp_rewrite.onnx.load import load_model
 
     stages.step("load")
@@ -282,14 +283,8 @@ def _load_and_rewrite(args, paths: _RunPaths, stages):
     save.check_path_conflicts(paths.reads, paths.writes)  # still before anything is written
     stages.step("rewrite")
     with _input_blamed_if_invalid(paths.model):
-        return _rewrite_options_run(model, args, stages)
-
-
-def _rewrite_options_run(model, args, stages):
-    from amp_rewrite.onnx.api import rewrite_checked
-
-    return rewrite_checked(model, args.options,
-                           progress=stages.budget_progress(args.options.max_evaluations))
+        return rewrite_checked(model, args.options,
+                               progress=stages.budget_progress(args.options.max_evaluations))
 
 
 @contextlib.contextmanager
