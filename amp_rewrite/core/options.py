@@ -21,8 +21,9 @@ from typing import Any
 from amp_rewrite.errors import UsageError
 
 __all__ = ["ArgumentError", "Cli", "UnknownOptionError", "add_flags", "checked", "choice",
-           "describe", "file_path", "flag", "max_error", "max_evaluations", "option",
-           "option_names", "optional_number", "patterns", "signature", "values"]
+           "comma_patterns", "describe", "file_path", "flag", "from_flags", "max_error",
+           "max_evaluations", "option", "option_names", "optional_int", "optional_number",
+           "paths", "patterns", "positive_number", "signature"]
 
 
 class ArgumentError(UsageError, ValueError):
@@ -109,11 +110,6 @@ def checked(cls: type, keywords: Mapping[str, Any], *, where: str,
     return cls(**values_)
 
 
-def values(options: Any, scopes: Iterable[str] | None = None) -> dict[str, Any]:
-    """The options as keywords (those in ``scopes`` if given)."""
-    return {name: getattr(options, name) for name in option_names(type(options), scopes)}
-
-
 def signature(function: Callable, cls: type, scopes: Iterable[str] | None = None
               ) -> inspect.Signature:
     """``function``'s signature with its ``**options`` spelled out as the keyword-only
@@ -171,14 +167,6 @@ def from_flags(cls: type, namespace: Any, scopes: Iterable[str] | None = None,
     return ({name: getattr(namespace, name) for name in given},
             {name: _meta(fields[name]).cli.flag(name) for name in given})
 
-
-def flag_of(cls: type, name: str) -> str:
-    """The command-line flag of option ``name``."""
-    field = next(f for f in dataclasses.fields(cls) if f.name == name)
-    return _meta(field).cli.flag(name)
-
-
-# ----- checks shared by both paths (adapters add their own) -----
 
 def flag(value: object, name: str) -> bool:
     """A real bool: ``keep_io_types="no"`` is truthy and would silently mean True."""

@@ -18,7 +18,7 @@ passes did something, in the order they ran.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -62,7 +62,3 @@ def run(model: Model, stage: str, passes: Iterable[Pass[Model]], record: Record)
                               "seconds": round(time.perf_counter() - start, 4)})
         changed |= modified
     return changed
-
-
-def names(passes: Sequence[Pass]) -> list[str]:
-    return [p.name for p in passes]
