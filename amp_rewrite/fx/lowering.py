@@ -30,6 +30,7 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from amp_rewrite.fx import kernel_timing
 from amp_rewrite.fx.apply import DTYPE_SUFFIX, conversion, retyped
+from amp_rewrite.fx.flops import node_flops
 from amp_rewrite.fx.opkeys import size_hint, tensor_val
 from amp_rewrite.fx.view import finished
 
@@ -119,8 +120,6 @@ def kernel_choice(node: Node, train: bool) -> kernel_timing.Choice:
 def _proxy_call(node: Node, train: bool) -> tuple[list, dict]:
     """Real example operands for ``node``: random values (zeros for a float mask: no -inf
     rows), gradients where they flow in training, the leading dim cut to ``PROXY_FLOPS``."""
-    from amp_rewrite.fx.budget import node_flops  # here: fx/budget imports this module
-
     op = str(node.target).split(".")[1]
     rows = size_hint(tensor_val(node).shape[0]) if tensor_val(node).dim() else 1
     cut = max(1, rows // max(1, math.ceil(node_flops(node, f"aten::{op}") / PROXY_FLOPS)))
