@@ -44,7 +44,7 @@ import numpy as np
 import onnx
 
 from benchmarks.cli import write_json
-from tests.models import zoo
+from tests.models import trained, zoo
 
 logger = logging.getLogger(__name__)
 
@@ -273,6 +273,8 @@ def _bert_base_inputs(gen, batch: int):
 
 def model_path(key: str) -> Path:
     """The batch-dynamic FP32 export of ``key``, exported on first use."""
+    if key in trained.MODELS:  # trained by someone else: the file its wheel ships
+        return trained.path(key)
     path = _export_path(key)
     if not path.is_file():
         logger.info("exporting %s to %s", key, path)
@@ -284,6 +286,8 @@ def feeds_for(key: str, path: Path, rows: int = ROWS) -> dict[str, np.ndarray]:
     """``rows`` seeded input rows (seed ``FEED_SEED``), keyed by ONNX input name."""
     import torch
 
+    if key in trained.MODELS:
+        return trained.inputs(key, rows, FEED_SEED)
     if key == COST_MODEL:
         ids, mask = _bert_base_inputs(torch.Generator().manual_seed(FEED_SEED), rows)
         return {"input_ids": ids.numpy(), "attention_mask": mask.numpy()}

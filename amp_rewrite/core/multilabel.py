@@ -571,9 +571,12 @@ def _decision(allowed: Allowed, label: Label) -> LabelDecision:
     if allowed.why in (Why.FIXED, Why.RULE):
         return LabelDecision(label, allowed.why, allowed.reason, allowed.cause)
     if allowed.why is Why.RANGE:
-        if len(allowed.labels) == 1 or label is Label.BF16:
+        if label is Label.BF16:
             return LabelDecision(label, Why.RANGE, f"{allowed.reason}: runs bf16, not fp16",
                                  allowed.cause)
+        if Label.BF16 not in allowed.labels:  # its kernel or schema takes no bf16
+            return LabelDecision(label, Why.RANGE, f"{allowed.reason}: not fp16, and its "
+                                 "kernel takes no bf16 here: runs fp32", allowed.cause)
         return LabelDecision(label, Why.RANGE, f"{allowed.reason}: not fp16, and fp32 needs "
                              "fewer cast bytes than bf16 with its neighbours", allowed.cause)
     if label is Label.FP16:

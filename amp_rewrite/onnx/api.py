@@ -6,7 +6,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,9 +100,10 @@ def rewrite_onnx_model(source: Source, *, progress=None, **options) -> RewriteRe
     with its default, check and help, listed below), checked here. Constants the low dtype
     cannot hold keep their readers fp32 (the report's ``constants_kept_fp32``). bf16 on a
     model whose opset does not admit it for compute ops converts the opset first (the
-    report's ``opset_conversion``); ``dtype="mixed"`` never converts it (each node takes
-    fp16, bf16 or fp32 from one exact plan, as its schema at that opset admits; the report's
-    ``mixed`` and each node's ``dtype``). ``progress(done, error)`` is called after each plan
+    report's ``opset_conversion``); ``dtype="mixed"`` converts it only where ops that need
+    range (values beyond fp16's) would otherwise lack bf16 (each node takes fp16, bf16 or
+    fp32 from one exact plan, as its schema at that opset admits; the report's ``mixed``
+    and each node's ``dtype``). ``progress(done, error)`` is called after each plan
     the accuracy budget measures.
     """
     return rewrite_checked(source, RewriteOptions.of(options), progress)
@@ -121,7 +122,8 @@ def rewrite_checked(source: Source, opts: RewriteOptions, progress=None) -> Rewr
         pinned, hot = _split_for_mixed(pinned) if low == MIXED else (pinned, {})
         options = OnnxOptions.from_rewrite(opts, pinned, hot)
         rules_ = onnx_rules(options.rules)
-        loaded, conversion = _low_dtype_opset(loaded, low, rules_, opts.opset, opts.keep_opset)
+        loaded, conversion = _low_dtype_opset(loaded, low, rules_, opts.opset, opts.keep_opset,
+                                              hot)
         _check_cast_opset(loaded)
         outcome = None
         if opts.max_error is not None:
@@ -201,27 +203,45 @@ def rewrite_onnx(model: str | os.PathLike | onnx.ModelProto | bytes,
     return proto
 
 
-def _low_dtype_opset(loaded: LoadedModel, low: LowDtype, rules, opset: int | None,
-                     keep_opset: bool) -> tuple[LoadedModel, str | None]:
+def _low_dtype_opset(loaded: LoadedModel, low: LowDtype | str, rules, opset: int | None,
+                     keep_opset: bool, hot: Mapping[str, float] | None = None
+                     ) -> tuple[LoadedModel, str | None]:
     """bf16 does what the user asked: (the model at the opset where its compute ops admit
     the low dtype, a note saying so) or (the model, None) where nothing is to convert.
     An explicit ``opset`` wins; ``keep_opset`` refuses instead (ModelError); a conversion
     that fails (the version converter, or serialising the model for it) keeps the opset as
-    ``keep_opset`` would, without refusing: those ops stay fp32 and the note says why."""
+    ``keep_opset`` would, without refusing: those ops stay fp32 and the note says why.
+
+    A mixed plan converts only for the ops it may run bf16 for range (``hot``: the values
+    calibration saw beyond fp16's threshold; ``mixed.range_op_types``): a model that needs
+    no range keeps its opset, and with ``keep_opset`` those ops stay fp32 without refusing,
+    since the plan still has fp16 and fp32 for them."""
     from amp_rewrite.core import OpClass
 
     current = versions.ai_onnx_opset(loaded.model.opset_imports)
-    if low is not LowDtype.BFLOAT16 or opset is not None or current is None:
+    if low not in (LowDtype.BFLOAT16, MIXED) or opset is not None or current is None:
         return loaded, None
+    if low == MIXED:
+        from amp_rewrite.onnx.mixed import range_op_types
+
+        op_types = range_op_types(loaded.model, hot or {}, rules, loaded.info.flat)
+    else:
+        op_types = versions.default_domain_op_types(loaded.model, loaded.info.flat)
+    bf16 = LowDtype.BFLOAT16.value
     need = versions.low_dtype_opset(
-        current, versions.default_domain_op_types(loaded.model, loaded.info.flat),
-        f"tensor({low.value})",
+        current, op_types, f"tensor({bf16})",
         compute=lambda op: rules.class_of(op) in (OpClass.ALLOW, OpClass.GRAY))
     if need is None:
         return loaded, None
     target, ops = need
-    why = f"{low.value} needs opset {target} for {', '.join(ops)}"
-    if keep_opset:
+    why = f"{bf16} needs opset {target} for {', '.join(ops)}"
+    if low == MIXED:
+        why += " (values beyond fp16's range)"
+        if keep_opset:
+            note = f"kept opset {current}: {why}; they run fp32"
+            logger.warning("%s", note)
+            return loaded, note
+    elif keep_opset:
         raise ModelError(f"--dtype bf16: the model is at opset {current} and {why}; drop "
                          "--keep-opset to convert it, or use --dtype fp16")
     try:
@@ -230,7 +250,7 @@ def _low_dtype_opset(loaded: LoadedModel, low: LowDtype, rules, opset: int | Non
         note = f"kept opset {current}: {e}; {', '.join(ops)} left fp32"
         logger.warning("%s", note)
         return loaded, note
-    return converted, f"converted opset {current} -> {target} for {low.value} ({why})"
+    return converted, f"converted opset {current} -> {target} for {bf16} ({why})"
 
 
 # The Cast the rewrite inserts takes ``to`` as an int from ai.onnx opset 6 (a string before)

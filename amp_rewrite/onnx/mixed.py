@@ -17,9 +17,9 @@ import onnx_ir as ir
 
 from amp_rewrite.core import LowDtype, Precision
 from amp_rewrite.core.precision import Label
-from amp_rewrite.onnx.load import SYMBOLIC_DIM_EXTENT
+from amp_rewrite.onnx.load import SYMBOLIC_DIM_EXTENT, model_graphs
 from amp_rewrite.onnx.ports import admitted_labels, node_opset
-from amp_rewrite.onnx.view import OnnxView, range_problem
+from amp_rewrite.onnx.view import OnnxView, constant_range_problems, range_problem
 
 _LABELS = {ir.DataType.FLOAT: Label.FP32, ir.DataType.FLOAT16: Label.FP16,
            ir.DataType.BFLOAT16: Label.BF16}
@@ -50,6 +50,27 @@ def mixed_inputs(view: OnnxView, hot_values: Mapping[str, float]) -> MixedInputs
             if k[1] in beyond_bf16}
     return MixedInputs(admissible(view), adapter_dtypes(view), wide, beyond_bf16,
                        range_groups, pins)
+
+
+def range_op_types(model: ir.Model, hot_values: Mapping[str, float], rules,
+                   flat: bool = False) -> set[str]:
+    """The ai.onnx op types a mixed plan may want bf16 for range: of nodes that write or read
+    a value calibration saw beyond fp16's threshold (``hot_values``), that read a constant
+    fp16 cannot hold, or that a ``[range]`` rule names. Only their bf16 kernels decide
+    whether the model's opset must be converted for a mixed plan (``api._low_dtype_opset``):
+    a model that needs no range keeps its opset."""
+    graphs = model_graphs(model, flat)
+    wide = constant_range_problems(graphs, LowDtype.FLOAT16).keys()
+    found = set()
+    for graph in graphs:
+        for node in graph:
+            if node.domain not in ("", "ai.onnx") or node.op_type in found:
+                continue
+            values = [v for v in (*node.inputs, *node.outputs) if v is not None]
+            if (rules.needs_range(node.op_type) or any(v in wide for v in values)
+                    or any(v.name in hot_values for v in values)):
+                found.add(node.op_type)
+    return found
 
 
 def admissible(view: OnnxView) -> dict[Hashable, frozenset[Label]]:

@@ -91,7 +91,8 @@ class RewriteOptions:
     keep_opset: bool = o.option(
         False, check=o.flag, cli=o.Cli("true"),
         help="with bf16: refuse (exit 3) a model whose opset does not admit bf16 for its "
-             "compute ops, instead of converting it to the opset that does")
+             "compute ops, instead of converting it to the opset that does; with mixed: "
+             "keep the opset, and ops that need range but lack bf16 there run fp32")
     clamp_constants: bool = o.option(
         False, check=o.flag, cli=o.Cli("true"),
         help="store constants beyond the low dtype's range clamped (default: keep them and "

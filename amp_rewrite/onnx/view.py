@@ -376,6 +376,13 @@ class SmallFloat32:
                    {key: i for i, (key, _) in enumerate(small)})
 
 
+def constant_range_problems(graphs: list[ir.Graph], low: LowDtype) -> dict[ir.Value, str]:
+    """``range_problem`` of every float32 initializer and ``Constant(value=...)`` of
+    ``graphs`` against ``low``: the screen ``build_view`` runs, for a caller with no view."""
+    small, others = _small_float32(graphs)
+    return _range_problems(small, others, low, set())
+
+
 def _small_float32(graphs: list[ir.Graph]) -> tuple[SmallFloat32, list[tuple[ir.Value, object]]]:
     """The float32 initializers and ``Constant(value=...)`` tensors: the small raw ones
     joined, and the others (value, tensor)."""

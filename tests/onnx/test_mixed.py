@@ -93,25 +93,70 @@ def test_the_mixed_output_is_within_bf16_tolerance_under_per_op_rounding():
     assert np.abs(got - expected).max() / np.abs(expected).max() < 5e-2
 
 
-def test_a_schema_without_bf16_at_the_models_opset_keeps_a_range_reader_fp32():
-    # Conv's T admits bf16 from opset 22 only; a mixed plan never converts the opset, so
-    # the Conv reading a weight beyond fp16 runs fp32 at 18 and bf16 at 22.
-    def conv_model(opset):
-        w = np.full((4, 3, 1, 1), 0.5, np.float32)
-        w[0, 0, 0, 0] = 1e5
-        graph = helper.make_graph(
-            [helper.make_node("Conv", ["x", "W"], ["y"], name="conv")], "g",
-            [helper.make_tensor_value_info("x", F32, [1, 3, 4, 4])],
-            [helper.make_tensor_value_info("y", F32, [1, 4, 4, 4])],
-            [numpy_helper.from_array(w, "W")])
-        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+def _conv_reading_a_wide_weight(opset: int) -> onnx.ModelProto:
+    w = np.full((4, 3, 1, 1), 0.5, np.float32)
+    w[0, 0, 0, 0] = 1e5  # beyond fp16's 65504
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "W"], ["y"], name="conv")], "g",
+        [helper.make_tensor_value_info("x", F32, [1, 3, 4, 4])],
+        [helper.make_tensor_value_info("y", F32, [1, 4, 4, 4])],
+        [numpy_helper.from_array(w, "W")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
 
-    at18 = rewrite_onnx_model(conv_model(18), dtype="mixed")
-    assert _dtypes(at18) == {"conv": "float32"}
-    assert "takes no bfloat16" in at18.report["nodes"][0]["reason"]
-    assert at18.report["opset_conversion"] is None
-    assert at18.proto().opset_import[0].version == 18
-    assert _dtypes(rewrite_onnx_model(conv_model(22), dtype="mixed")) == {"conv": "bfloat16"}
+
+def test_a_range_reader_whose_schema_lacks_bf16_converts_the_opset():
+    # Conv's T admits bf16 from opset 22 only. The Conv reads a weight fp16 cannot hold, so
+    # the plan wants it bf16: the model is converted 18 -> 22, as --dtype bf16 converts it.
+    result = rewrite_onnx_model(_conv_reading_a_wide_weight(18), dtype="mixed")
+    assert _dtypes(result) == {"conv": "bfloat16"}
+    assert "18 -> 22" in result.report["opset_conversion"]
+    assert "Conv" in result.report["opset_conversion"]
+    assert result.proto().opset_import[0].version == 22
+    onnx.checker.check_model(result.proto(), full_check=True)
+    x = np.random.default_rng(3).standard_normal((1, 3, 4, 4)).astype(np.float32)
+    w = numpy_helper.to_array(_conv_reading_a_wide_weight(18).graph.initializer[0])
+    expected = np.einsum("oc,nchw->nohw", w[:, :, 0, 0].astype(np.float64), x)
+    got = validate.reference_run(result.proto(), {"x": x})["y"]
+    assert np.abs(got - expected).max() / np.abs(expected).max() < 1e-2
+
+
+def test_keep_opset_or_an_explicit_opset_keeps_the_range_reader_fp32_and_says_why():
+    kept = rewrite_onnx_model(_conv_reading_a_wide_weight(18), dtype="mixed", keep_opset=True)
+    assert _dtypes(kept) == {"conv": "float32"}
+    assert "takes no bfloat16" in kept.report["nodes"][0]["reason"]
+    assert kept.report["opset_conversion"].startswith("kept opset 18")
+    assert kept.proto().opset_import[0].version == 18
+    explicit = rewrite_onnx_model(_conv_reading_a_wide_weight(18), dtype="mixed", opset=18)
+    assert _dtypes(explicit) == {"conv": "float32"}
+    assert explicit.report["opset_conversion"] is None
+
+
+def test_a_mixed_plan_that_needs_no_range_keeps_the_opset():
+    model = _conv_reading_a_wide_weight(18)
+    model.graph.initializer[0].CopyFrom(numpy_helper.from_array(
+        np.full((4, 3, 1, 1), 0.5, np.float32), "W"))
+    result = rewrite_onnx_model(model, dtype="mixed")
+    assert _dtypes(result) == {"conv": "float16"}
+    assert result.report["opset_conversion"] is None
+    assert result.proto().opset_import[0].version == 18
+
+
+def test_a_calibrated_range_reader_at_an_old_opset_runs_bf16_after_conversion():
+    # Conv -> BatchNormalization at opset 12 with a trained detector's statistics: the Conv
+    # writes ~1e4 (beyond the fp16 threshold), the BatchNorm reads a variance of 1e8
+    from ._helpers import conv_bn_model
+
+    rng = np.random.default_rng(4)
+    fp32 = conv_bn_model(np.full(8, 1e8, np.float32), rng, opset=12)
+    x = rng.standard_normal((4, 1, 3, 16, 16)).astype(np.float32)
+    result = rewrite_onnx_model(fp32, dtype="mixed", calibration_data={"x": x[0]})
+    counts = result.report["dtype_counts"]
+    assert counts["float32"] == 0 and counts["bfloat16"] >= 2, counts
+    assert "12 -> 22" in result.report["opset_conversion"]
+    expected = validate.run(fp32, {"x": x[1]})["y"]
+    got = validate.reference_run(result.proto(), {"x": x[1]})["y"]
+    assert np.isfinite(got).all()
+    assert np.abs(got - expected).max() / np.abs(expected).max() < 5e-2
 
 
 def _range_ops_model() -> onnx.ModelProto:
