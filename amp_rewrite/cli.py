@@ -513,6 +513,8 @@ def _runs_on_text(runs_on: dict) -> str:
         missing = runs_on["missing"]
         text = (f"CUDAExecutionProvider lacks {len(missing)} kernel(s): "
                 f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
+    if runs_on.get("source"):
+        text += f" (per {runs_on['source']})"
     return f"{text}; {runs_on['note']}" if runs_on.get("note") else text
 
 

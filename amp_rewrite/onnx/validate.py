@@ -18,6 +18,7 @@ import os
 import shlex
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import onnx
@@ -754,8 +755,9 @@ def value_maxima(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dic
 # -- which providers can run the output ----------------------------------------------------
 
 CUDA = "CUDAExecutionProvider"
-# Reads onnxruntime's kernel registry in a child process: listing it loads the CUDA
-# provider's library, which crashes the process where the CUDA libraries are missing.
+# Reads onnxruntime's kernel registry in a child process: listing it constructs every
+# provider the wheel ships (onnxruntime-gpu: CUDA's and TensorRT's), which crashes the process
+# where one's libraries are missing (a machine without CUDA; TensorRT not installed).
 _REGISTRY_SCRIPT = """
 import json
 from onnxruntime.capi import _pybind_state as C
@@ -765,23 +767,32 @@ print(json.dumps([[k.domain, k.op_name, list(k.version_range),
 """ % CUDA
 _LOW_TYPES = {"float16", "bfloat16"}
 _ALL_OPSETS = 2 ** 31 - 1
+# The CUDA registry of one onnxruntime-gpu, packaged (tools/cuda_registry.py writes it): per
+# domain and op, each kernel's [since, until (null: open), its float types].
+CUDA_SNAPSHOT = "data/cuda_kernels.json"
 
 
-@functools.cache
-def cuda_registry() -> tuple[tuple, ...] | str:
-    """onnxruntime's CUDA kernels as (domain, op, (since, until), types), or why they could
-    not be listed (this onnxruntime has no CUDA provider, or its libraries do not load)."""
+class CudaRegistry(NamedTuple):
+    """CUDA kernels as (domain, op, (since, until), types) and where they were read."""
+    kernels: tuple[tuple, ...]
+    source: str
+
+
+def list_cuda_kernels(env: Mapping[str, str] | None = None) -> tuple[tuple, ...] | str:
+    """This onnxruntime's CUDA kernels as (domain, op, (since, until), types), listed in a
+    child process (``env``: its environment), or why they could not be listed (this
+    onnxruntime has no CUDA provider, or its libraries do not load)."""
     import subprocess
     import sys
 
     try:
         done = subprocess.run([sys.executable, "-c", _REGISTRY_SCRIPT], capture_output=True,
-                              text=True, timeout=120)
+                              text=True, timeout=120, env=None if env is None else dict(env))
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"listing onnxruntime's kernels failed ({first_line(e)})"
     if done.returncode != 0:
         return (f"onnxruntime's CUDA kernels cannot be listed here (the listing exited with "
-                f"{done.returncode}: the CUDA provider's libraries do not load)")
+                f"{done.returncode}: a provider's libraries, CUDA's or TensorRT's, do not load)")
     import json
 
     kernels = tuple((d or "", op, tuple(r), frozenset(t)) for d, op, r, t in
@@ -789,17 +800,70 @@ def cuda_registry() -> tuple[tuple, ...] | str:
     return kernels if kernels else "this onnxruntime has no CUDA provider"
 
 
-def cuda_kernels(model, registry: tuple[tuple, ...] | str | None = None) -> dict:
+def read_cuda_snapshot() -> dict | str:
+    """The packaged CUDA registry (``CUDA_SNAPSHOT``) as its JSON object, or why it cannot be
+    read."""
+    import importlib.resources
+    import json
+
+    try:
+        text = (importlib.resources.files("amp_rewrite.onnx") / CUDA_SNAPSHOT).read_text()
+        snapshot = json.loads(text)
+    except (OSError, ValueError) as e:
+        return f"the packaged CUDA registry cannot be read ({first_line(e)})"
+    if not (isinstance(snapshot, dict) and isinstance(snapshot.get("kernels"), dict)
+            and {"onnxruntime", "read"} <= snapshot.keys()):
+        return f"the packaged CUDA registry cannot be read ({CUDA_SNAPSHOT} is not one)"
+    return snapshot
+
+
+def snapshot_kernels(snapshot: Mapping) -> tuple[tuple, ...]:
+    """A snapshot's kernels in ``list_cuda_kernels``'s form."""
+    return tuple((domain, op, (since, _ALL_OPSETS if until is None else until),
+                  frozenset(f"tensor({t})" for t in types))
+                 for domain, ops in snapshot["kernels"].items()
+                 for op, kernels in ops.items() for since, until, types in kernels)
+
+
+@functools.cache
+def cuda_registry() -> CudaRegistry | str:
+    """The CUDA kernels ``cuda_kernels`` checks against: this onnxruntime's, listed, where its
+    CUDA provider loads; elsewhere (a machine without CUDA libraries, an onnxruntime without
+    a CUDA provider) the packaged registry of one onnxruntime-gpu; or why neither can be
+    read. ``source`` says which."""
+    from onnxruntime import __version__ as version
+
+    live = list_cuda_kernels()
+    if not isinstance(live, str):
+        return CudaRegistry(live, f"onnxruntime {version}'s CUDA provider, listed here")
+    snapshot = read_cuda_snapshot()
+    if isinstance(snapshot, str):
+        return f"{live}; {snapshot}"
+    # Another onnxruntime's registry still answers: the output runs on a GPU machine, rarely
+    # this one, with whatever onnxruntime-gpu is installed there, so the answer for a named
+    # version serves better than none; ``source`` names that version, and says this one
+    # differs, so that a kernel reported missing can be checked against the user's.
+    source = (f"{snapshot.get('package', 'onnxruntime-gpu')} {snapshot['onnxruntime']}'s "
+              f"CUDA registry, read {snapshot['read']}")
+    if snapshot["onnxruntime"] != version:
+        source += f"; this onnxruntime is {version}, whose CUDA kernels may differ"
+    return CudaRegistry(snapshot_kernels(snapshot), source)
+
+
+def cuda_kernels(model, registry: CudaRegistry | tuple[tuple, ...] | str | None = None) -> dict:
     """Whether onnxruntime's CUDA provider has a kernel for every node of ``model`` (an
     onnx_ir Model) that computes in fp16 or bf16, at the node's opset and dtypes:
-    ``{"CUDAExecutionProvider": bool, "missing": ["Op(dtype) opset N", ...]}``; None for the
-    provider, with ``unknown`` saying why, where the registry cannot be read
-    (``cuda_registry``; ``registry``: one given instead)."""
+    ``{"CUDAExecutionProvider": bool, "missing": ["Op(dtype) opset N", ...], "source": ...}``
+    (``source``: where the kernels were read, for a ``CudaRegistry``); None for the
+    provider, with ``unknown`` saying why, where no registry can be read (``cuda_registry``;
+    ``registry``: one given instead)."""
     registry = cuda_registry() if registry is None else registry
     if isinstance(registry, str):
         return {CUDA: None, "missing": [], "unknown": registry}
+    source = registry.source if isinstance(registry, CudaRegistry) else None
+    listed = registry.kernels if isinstance(registry, CudaRegistry) else registry
     by_op: dict[tuple[str, str], list] = {}
-    for domain, op, (since, until), types in registry:
+    for domain, op, (since, until), types in listed:
         by_op.setdefault(("" if domain == "ai.onnx" else domain, op), []).append(
             (since, until, types))
     missing = set()
@@ -811,7 +875,8 @@ def cuda_kernels(model, registry: tuple[tuple, ...] | str | None = None) -> dict
         if not any(since <= opset <= until and wanted <= types
                    for since, until, types in kernels):
             missing.add(f"{node.op_type}({','.join(sorted(dtypes & _LOW_TYPES))}) opset {opset}")
-    return {CUDA: not missing, "missing": sorted(missing)}
+    result = {CUDA: not missing, "missing": sorted(missing)}
+    return {**result, "source": source} if source else result
 
 
 def _low_nodes(model):
