@@ -123,7 +123,7 @@ def rewrite_checked(source: Source, opts: RewriteOptions, progress=None) -> Rewr
         options = OnnxOptions.from_rewrite(opts, pinned, hot)
         rules_ = onnx_rules(options.rules)
         loaded, conversion = _low_dtype_opset(loaded, low, rules_, opts.opset, opts.keep_opset,
-                                              hot)
+                                              hot, cuda_bf16_only=opts.target == "ort")
         _check_cast_opset(loaded)
         outcome = None
         if opts.max_error is not None:
@@ -204,8 +204,8 @@ def rewrite_onnx(model: str | os.PathLike | onnx.ModelProto | bytes,
 
 
 def _low_dtype_opset(loaded: LoadedModel, low: LowDtype | str, rules, opset: int | None,
-                     keep_opset: bool, hot: Mapping[str, float] | None = None
-                     ) -> tuple[LoadedModel, str | None]:
+                     keep_opset: bool, hot: Mapping[str, float] | None = None,
+                     cuda_bf16_only: bool = False) -> tuple[LoadedModel, str | None]:
     """bf16 does what the user asked: (the model at the opset where its compute ops admit
     the low dtype, a note saying so) or (the model, None) where nothing is to convert.
     An explicit ``opset`` wins; ``keep_opset`` refuses instead (ModelError); a conversion
@@ -215,7 +215,9 @@ def _low_dtype_opset(loaded: LoadedModel, low: LowDtype | str, rules, opset: int
     A mixed plan converts only for the ops it may run bf16 for range (``hot``: the values
     calibration saw beyond fp16's threshold; ``mixed.range_op_types``): a model that needs
     no range keeps its opset, and with ``keep_opset`` those ops stay fp32 without refusing,
-    since the plan still has fp16 and fp32 for them."""
+    since the plan still has fp16 and fp32 for them. ``cuda_bf16_only``: only ops that
+    onnxruntime's CUDA provider has a bf16 kernel for at some opset count (``kernels.py``):
+    converting for the others would not let them run bf16."""
     from amp_rewrite.core import OpClass
 
     current = versions.ai_onnx_opset(loaded.model.opset_imports)
@@ -227,6 +229,11 @@ def _low_dtype_opset(loaded: LoadedModel, low: LowDtype | str, rules, opset: int
         op_types = range_op_types(loaded.model, hot or {}, rules, loaded.info.flat)
     else:
         op_types = versions.default_domain_op_types(loaded.model, loaded.info.flat)
+    if cuda_bf16_only:
+        from amp_rewrite.onnx.kernels import lacks_bf16_kernel
+
+        latest = onnx.defs.onnx_opset_version()
+        op_types = {op for op in op_types if not lacks_bf16_kernel("", op, latest)}
     bf16 = LowDtype.BFLOAT16.value
     need = versions.low_dtype_opset(
         current, op_types, f"tensor({bf16})",

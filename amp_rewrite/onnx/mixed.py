@@ -17,6 +17,7 @@ import onnx_ir as ir
 
 from amp_rewrite.core import LowDtype, Precision
 from amp_rewrite.core.precision import Label
+from amp_rewrite.onnx.kernels import lacks_bf16_kernel
 from amp_rewrite.onnx.load import SYMBOLIC_DIM_EXTENT, model_graphs
 from amp_rewrite.onnx.ports import admitted_labels, node_opset
 from amp_rewrite.onnx.view import OnnxView, constant_range_problems, range_problem
@@ -74,15 +75,17 @@ def range_op_types(model: ir.Model, hot_values: Mapping[str, float], rules,
 
 
 def admissible(view: OnnxView) -> dict[Hashable, frozenset[Label]]:
-    """Group → the dtypes its schema admits at the model's opset, where that is not all."""
+    """Group → the dtypes its schema admits at the model's opset, where that is not all;
+    without bf16 where onnxruntime's CUDA provider has no bf16 kernel for it
+    (``OnnxView.cuda_bf16_only``)."""
     found = {}
-    for key, (node, pg) in view.groups.items():
-        labels = admitted_labels(node.domain, node.op_type, node_opset(node, view.opsets),
-                                 pg.tvars)
-        if len(labels) < len(Label):
-            found[key] = labels
-    for key, (node, _) in view.ties.items():
-        labels = admitted_labels("", node.op_type, node_opset(node, view.opsets), ("V",))
+    groups = [(key, node, pg.tvars) for key, (node, pg) in view.groups.items()]
+    groups += [(key, node, ("V",)) for key, (node, _) in view.ties.items()]
+    for key, node, tvars in groups:
+        opset = node_opset(node, view.opsets)
+        labels = admitted_labels(node.domain, node.op_type, opset, tvars)
+        if view.cuda_bf16_only and lacks_bf16_kernel(node.domain, node.op_type, opset):
+            labels = labels - {Label.BF16}
         if len(labels) < len(Label):
             found[key] = labels
     return found

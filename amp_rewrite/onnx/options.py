@@ -103,8 +103,9 @@ class RewriteOptions:
              "model says it pays (a PadPolicy in Python pads with that policy)")
     target: str = o.option(
         "ort", check=o.choice(TARGETS), cli=o.Cli(choices=TARGETS),
-        help="fused ops may be onnxruntime contrib ops (ort) or standard ONNX ops of the "
-             "model's opset only (onnx: TensorRT and other runtimes)")
+        help="the runtime: onnxruntime (ort: fused ops may be its contrib ops, and bf16 "
+             "only where its CUDA provider has a bf16 kernel) or another (onnx: standard ONNX "
+             "ops of the model's opset, bf16 wherever the schema admits it; TensorRT)")
     fuse: bool = o.option(
         True, check=o.flag, cli=o.Cli("false"),
         help="pattern fusion before the plan (LayerNorm, RMSNorm, GELU, attention)")

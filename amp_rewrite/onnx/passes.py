@@ -185,7 +185,8 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
                                clamp_constants=self.options.clamp_constants,
                                low_io=self.options.low_io,
                                inferred_sizes=self.info.inferred_sizes,
-                               mixed=self.options.mixed)
+                               mixed=self.options.mixed,
+                               cuda_bf16_only=self.options.target == "ort")
         if self.options.mixed:
             self.mixed_inputs = mixed_inputs(self.view, self.options.hot_values)
         if self.options.low_io:

@@ -21,6 +21,7 @@ import onnx_ir as ir
 
 from amp_rewrite.core import GroupInfo, LowDtype, OpClass, Precision, PrecisionGraph
 from amp_rewrite.core.precision import einsum_sums_over_nothing, integer_conversion_reason
+from amp_rewrite.onnx.kernels import lacks_bf16_kernel, no_bf16_kernel_reason
 from amp_rewrite.onnx.load import SYMBOLIC_DIM_EXTENT, walk_graphs
 from amp_rewrite.onnx.ports import (CONTROL_FLOW, PortGroup, Tie, body_graphs, control_flow_ties,
                                     is_candidate, node_opset, port_groups, signature,
@@ -56,6 +57,8 @@ class OnnxView:
     # a mixed plan (core/multilabel.py): constants fp16 cannot hold stay free, for the plan
     # to store them bf16 where its readers run bf16 (``wide_values`` still lists them)
     mixed: bool = False
+    # bf16 only where onnxruntime's CUDA provider has the kernel (``target="ort"``; kernels.py)
+    cuda_bf16_only: bool = False
 
 
 def value_nbytes(value: ir.Value, inferred: dict[str, int | None]) -> int | None:
@@ -73,7 +76,7 @@ def build_view(model: ir.Model, low: LowDtype, *, keep_io_types: bool = True,
                graphs: list[ir.Graph] | None = None, clamp_constants: bool = False,
                low_io: tuple[str, ...] = (),
                inferred_sizes: Mapping[str, int | None] | None = None,
-               mixed: bool = False) -> OnnxView:
+               mixed: bool = False, cuda_bf16_only: bool = False) -> OnnxView:
     """The precision view of ``model``; ``graphs``: ``walk_graphs(model.graph)`` if given.
 
     ``clamp_constants``: constants beyond the low dtype's range may be stored clamped; by
@@ -81,10 +84,13 @@ def build_view(model: ir.Model, low: LowDtype, *, keep_io_types: bool = True,
     ``low_io``: name patterns (fnmatch) of main-graph inputs/outputs fixed low (a KV cache).
     ``inferred_sizes``: fp32 bytes of values without a shape (``LoadInfo.inferred_sizes``).
     ``mixed``: the view of a mixed plan (``low`` fp16; ``OnnxView.mixed``).
+    ``cuda_bf16_only``: bf16 only for nodes onnxruntime's CUDA provider has a bf16 kernel
+    for (``kernels.py``); the others are fixed fp32 in a bf16 view (a mixed plan leaves them
+    fp16 or fp32: ``mixed.admissible``).
     """
     graphs = list(walk_graphs(model.graph)) if graphs is None else graphs
     view = OnnxView(PrecisionGraph(), low, graphs, clamp_constants=clamp_constants,
-                    mixed=mixed)
+                    mixed=mixed, cuda_bf16_only=cuda_bf16_only)
     view.small, others = _small_float32(graphs)
     if not clamp_constants:
         view.range_problems = _range_problems(view.small, others, low, view.in_range)
@@ -212,6 +218,11 @@ def _add_node(view: OnnxView, node: ir.Node, opset: int, low_ir: ir.DataType) ->
     groups = _fixed_port_groups(node, opset, view.low, low_ir)
     if not groups:
         return
+    if (view.cuda_bf16_only and view.low is LowDtype.BFLOAT16
+            and lacks_bf16_kernel(domain, op_type, opset)):
+        why = no_bf16_kernel_reason(op_type, opset)
+        groups = tuple((pg, Precision.HIGH, why) if fixed is None else (pg, fixed, reason)
+                       for pg, fixed, reason in groups)
     if op_type in CAST_OPS and domain == "":
         if op_type == "Cast" and INSERTED_TAG in node.metadata_props:
             groups = _tagged(node, groups, low_ir)

@@ -9,7 +9,8 @@ else ``~/.cache/amp_rewrite``). Where the wheel cannot be fetched, ``path`` rais
 ``Unavailable`` and the tests skip with its message.
 
 ``inputs(key, rows, seed)`` gives what each model is meant to read, made here with no data
-set: pages of dark strokes on light paper, normalised as PaddleOCR does.
+set: pages and text lines of dark strokes on light paper, normalised as PaddleOCR does, and
+voiced 16 kHz audio with a mid-stream LSTM state for Silero VAD.
 """
 from __future__ import annotations
 
@@ -46,6 +47,23 @@ MODELS = {
         "971d7d5f223a7a808662229df1ef69893809d8457d834e6373d3854bc1782cbf",
         "rapidocr_onnxruntime/models/ch_PP-OCRv4_det_infer.onnx", "Apache-2.0",
         "PP-OCRv4 text detector: conv net, BatchNorm variance up to 9.8e7"),
+    # the same wheel's text recogniser (conv + attention, CTC head) and line-angle classifier
+    "ppocr_rec": Trained(
+        "rapidocr-onnxruntime", "1.4.4",
+        "971d7d5f223a7a808662229df1ef69893809d8457d834e6373d3854bc1782cbf",
+        "rapidocr_onnxruntime/models/ch_PP-OCRv4_rec_infer.onnx", "Apache-2.0",
+        "PP-OCRv4 text recogniser: conv backbone, attention neck, CTC head"),
+    "ppocr_cls": Trained(
+        "rapidocr-onnxruntime", "1.4.4",
+        "971d7d5f223a7a808662229df1ef69893809d8457d834e6373d3854bc1782cbf",
+        "rapidocr_onnxruntime/models/ch_ppocr_mobile_v2.0_cls_infer.onnx", "Apache-2.0",
+        "PP-OCR text-line angle classifier: MobileNetV3, opset 11"),
+    # Silero VAD v6, 16 kHz, opset 15: If subgraphs around conv encoder + LSTM decoder
+    "silero_vad": Trained(
+        "silero-vad", "6.2.3",
+        "7b7f5436cfcb02fae583a05b512ea96467fd449fe54cb49a5e4f06c51a1e43b8",
+        "silero_vad/data/silero_vad_16k_op15.onnx", "MIT",
+        "Silero VAD: voice activity from 512 samples of 16 kHz audio and an LSTM state"),
 }
 
 
@@ -108,9 +126,36 @@ def page(rng: np.random.Generator, height: int = 96, width: int = 160) -> np.nda
     return image.transpose(2, 0, 1).astype(np.float32)
 
 
+def text_line(rng: np.random.Generator, width: int) -> np.ndarray:
+    """A (3, 48, width) crop of one text line, normalised to [-1, 1] as PaddleOCR's
+    recogniser and classifier expect."""
+    image = page(rng, 48, width) * _STD[:, None, None] + _MEAN[:, None, None]  # back to [0, 1]
+    return ((image - 0.5) / 0.5).astype(np.float32)
+
+
+def speech(rng: np.random.Generator, samples: int = 512) -> np.ndarray:
+    """Samples of a voiced sound at 16 kHz: a 120-220 Hz fundamental with harmonics under
+    a syllable's envelope, plus noise, peaking near 0.3."""
+    t = np.arange(samples) / 16_000
+    f0 = rng.uniform(120, 220)
+    voice = sum(np.sin(2 * np.pi * f0 * k * t + rng.uniform(0, 2 * np.pi)) / k
+                for k in range(1, 6))
+    envelope = np.sin(np.pi * np.linspace(0.1, 0.9, samples))
+    wave = 0.15 * envelope * voice + rng.normal(0, 0.01, samples)
+    return wave.astype(np.float32)
+
+
 def inputs(key: str, rows: int, seed: int = 0) -> dict[str, np.ndarray]:
     """``rows`` inputs of ``key``, keyed by the model's input name."""
     rng = np.random.default_rng(seed)
     if key == "ppocr_det":
         return {"x": np.stack([page(rng) for _ in range(rows)])}
+    if key == "ppocr_rec":
+        return {"x": np.stack([text_line(rng, 320) for _ in range(rows)])}
+    if key == "ppocr_cls":
+        return {"x": np.stack([text_line(rng, 192) for _ in range(rows)])}
+    if key == "silero_vad":
+        state = rng.normal(0, 0.1, (2, rows, 128)).astype(np.float32)  # mid-stream
+        return {"input": np.stack([speech(rng) for _ in range(rows)]), "state": state,
+                "sr": np.array(16_000, np.int64)}
     raise KeyError(key)
