@@ -1,5 +1,5 @@
 """``onnx.reference`` kernels for the onnxruntime contrib ops the fusion step can emit, and
-float32-accumulating versions of the standard GEMMs and normalisations.
+float32-accumulating versions of the standard GEMMs, normalisations and global average pool.
 
 Each follows the GPU kernel it stands for: inputs read in their declared dtype, arithmetic in
 float32, every output rounded once to its declared dtype, so validation sees the runtime's
@@ -14,8 +14,8 @@ import math
 import ml_dtypes
 import numpy as np
 from onnx.reference.op_run import OpRun
-from onnx.reference.ops import (op_conv, op_conv_transpose, op_gemm, op_instance_normalization,
-                                op_layer_normalization, op_matmul)
+from onnx.reference.ops import (op_conv, op_conv_transpose, op_gemm, op_global_average_pool,
+                                op_instance_normalization, op_layer_normalization, op_matmul)
 
 try:
     from onnx.reference.ops.op_rms_normalization import RMSNormalization as _RMSNormalization
@@ -347,9 +347,41 @@ class InstanceNormalization(_InFloat32, op_instance_normalization.InstanceNormal
     pass
 
 
+class BatchNormalization(OpRun):
+    """Inference BatchNormalization, scale·(x − mean)/√(var + ε) + B with the given mean
+    and variance, in float32 and Y rounded once to X's dtype (cuDNN keeps a float16 X's
+    statistics and arithmetic in float32). onnx.reference's opset 9-13 kernel switches to
+    training mode whenever the node carries ``momentum`` (PaddlePaddle exports always
+    write it) and then normalises with 0.9·mean + 0.1·(the batch's mean), its variance
+    summed in float16 (inf past 65504); onnxruntime trains only a node with the optional
+    outputs, and so does this kernel: training mode is refused here."""
+
+    op_domain = ""
+
+    def _run(self, x, scale, bias, mean, var, epsilon=None, momentum=None, training_mode=None,
+             spatial=None, **_):
+        if training_mode or len([o for o in self.onnx_node.output if o]) > 1:
+            raise NotImplementedError("BatchNormalization reference: inference mode only")
+        # spatial=0 (opsets 6-8): one statistic per element of x.shape[1:]
+        shape = x.shape[1:] if spatial == 0 else (-1,) + (1,) * (x.ndim - 2)
+
+        def param(p: np.ndarray) -> np.ndarray:
+            return _f32(p).reshape(shape)
+
+        y = param(scale) * (_f32(x) - param(mean)) / np.sqrt(param(var) + _epsilon(epsilon)) \
+            + param(bias)
+        return (y.astype(x.dtype),)
+
+
+class GlobalAveragePool(_InFloat32, op_global_average_pool.GlobalAveragePool):
+    """numpy averages a bfloat16 array in bfloat16 (a sum stops growing at 256 + 1), a
+    float16 one in float32; the GPU kernel sums in float32 for both."""
+
+
 #: Standard ops computed in float32 and rounded once (module docstring).
 FLOAT32_KERNELS: tuple[type[OpRun], ...] = (
     MatMul, Gemm, Conv, ConvTranspose, LayerNormalization, InstanceNormalization,
+    BatchNormalization, GlobalAveragePool,
 )
 if _RMSNormalization is not None:
     class RMSNormalization(_InFloat32, _RMSNormalization):

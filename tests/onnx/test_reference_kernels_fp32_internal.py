@@ -1,0 +1,113 @@
+"""BatchNormalization and GlobalAveragePool in ``validate.reference_evaluator`` compute as the
+GPU kernels do: inference BatchNorm from the given statistics, arithmetic in float32, each
+output rounded once (``reference_ops.FLOAT32_KERNELS``). The oracle is numpy in float64,
+rounded once to the low dtype."""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import onnx
+import onnx.helper as oh
+import onnx.numpy_helper as onh
+import pytest
+from onnx.reference import ReferenceEvaluator
+
+from amp_rewrite.onnx import validate
+
+from ._helpers import BF16, F16
+
+LOW = {F16: np.float16, BF16: ml_dtypes.bfloat16}
+
+
+def _model(nodes, inputs, outputs, inits=(), opset=17) -> onnx.ModelProto:
+    graph = oh.make_graph(nodes, "g", inputs, outputs, list(inits))
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", opset)])
+
+
+def _ulps(got: np.ndarray, want: np.ndarray) -> float:
+    """|got - want| in units of the low dtype's spacing at want."""
+    spacing = np.spacing(np.abs(want.astype(np.float32)).astype(got.dtype)).astype(np.float64)
+    return float((np.abs(got.astype(np.float64) - want) / spacing).max())
+
+
+def _batch_norm(elem: int, opset: int, **attrs):
+    """PP-OCRv4's first BatchNorm in miniature: a conv output near 1e4, running variance
+    near 1e8, so that scale·(x − mean) leaves float16's range though Y does not."""
+    rng = np.random.default_rng(0)
+    low = LOW[elem]
+    x = (rng.standard_normal((2, 3, 4, 5)) * 1e4).astype(low)
+    params = {"s": rng.uniform(5, 10, 3), "b": rng.standard_normal(3),
+              "m": rng.standard_normal(3) * 1e4, "v": rng.uniform(0.5e8, 1e8, 3)}
+    if elem == F16:  # float16 holds no 1e8; scale·(x − mean) still reaches ~5e5
+        params["v"] = rng.uniform(2e4, 6e4, 3)
+    inits = [onh.from_array(np.asarray(a).astype(low), n) for n, a in params.items()]
+    model = _model([oh.make_node("BatchNormalization", ["x", "s", "b", "m", "v"], ["y"],
+                                 **attrs)],
+                   [oh.make_tensor_value_info("x", elem, [2, 3, 4, 5])],
+                   [oh.make_tensor_value_info("y", elem, [2, 3, 4, 5])], inits, opset=opset)
+    r = lambda a: np.asarray(a).astype(low).astype(np.float64).reshape(-1, 1, 1)  # noqa: E731
+    v = x.astype(np.float64)
+    eps = np.float64(np.float32(attrs.get("epsilon", 1e-5)))
+    want = r(params["s"]) * (v - r(params["m"])) / np.sqrt(r(params["v"]) + eps) + r(params["b"])
+    return model, x, want
+
+
+# bfloat16 BatchNormalization needs opset 15
+@pytest.mark.parametrize("elem,opset", [(F16, 9), (F16, 12), (F16, 15), (BF16, 15)])
+def test_batch_norm_is_inference_in_float32(elem, opset):
+    """With ``momentum`` set (as PaddlePaddle exports it), at the model's opset."""
+    model, x, want = _batch_norm(elem, opset, momentum=0.9, epsilon=1e-5)
+    with np.errstate(all="ignore"):
+        (y,) = validate.reference_evaluator(model).run(None, {"x": x})
+    assert y.dtype == LOW[elem] and np.isfinite(y).all()
+    assert _ulps(y, want) <= 1.0
+
+
+def test_onnx_reference_alone_normalises_with_the_batch_statistics():
+    """Why the kernel exists: at opsets 9-13 onnx.reference reads ``momentum`` as training
+    mode, so even the float32 model's BatchNorm mixes in this batch's mean and variance."""
+    model, x, want = _batch_norm(F16, 12, momentum=0.9)
+    for t in model.graph.initializer:
+        t.CopyFrom(onh.from_array(onh.to_array(t).astype(np.float32), t.name))
+    for v in (*model.graph.input, *model.graph.output):
+        v.type.tensor_type.elem_type = onnx.TensorProto.FLOAT
+    x32 = x.astype(np.float32)
+    (plain,) = ReferenceEvaluator(model).run(None, {"x": x32})
+    (ours,) = validate.reference_evaluator(model).run(None, {"x": x32})
+    scale = np.abs(want).max()
+    assert np.abs(plain - want).max() > 0.1 * scale
+    assert np.abs(ours - want).max() < 1e-5 * scale
+
+
+def test_batch_norm_training_mode_is_refused():
+    model, x, _ = _batch_norm(F16, 15, training_mode=1)
+    with pytest.raises(NotImplementedError, match="inference mode only"):
+        validate.reference_evaluator(model).run(None, {"x": x})
+
+
+def test_batch_norm_spatial_0_has_a_statistic_per_element():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, 3, 4)).astype(np.float16)
+    p = {n: rng.uniform(0.5, 2.0, (3, 4)).astype(np.float16) for n in "sbmv"}
+    model = _model([oh.make_node("BatchNormalization", ["x", *p], ["y"], spatial=0,
+                                 is_test=1)],
+                   [oh.make_tensor_value_info("x", F16, [2, 3, 4])],
+                   [oh.make_tensor_value_info("y", F16, [2, 3, 4])],
+                   [onh.from_array(a, n) for n, a in p.items()], opset=7)
+    (y,) = validate.reference_evaluator(model).run(None, {"x": x})
+    f = {n: a.astype(np.float64) for n, a in p.items()}
+    want = f["s"] * (x.astype(np.float64) - f["m"]) / np.sqrt(f["v"] + 1e-5) + f["b"]
+    assert _ulps(y, want) <= 1.0
+
+
+@pytest.mark.parametrize("elem", [F16, BF16])
+def test_global_average_pool_sums_in_float32(elem):
+    """4096 values near 1: a bfloat16 sum would stop growing at 256."""
+    x = np.random.default_rng(2).uniform(0.9, 1.1, (2, 3, 64, 64)).astype(LOW[elem])
+    model = _model([oh.make_node("GlobalAveragePool", ["x"], ["y"])],
+                   [oh.make_tensor_value_info("x", elem, [2, 3, 64, 64])],
+                   [oh.make_tensor_value_info("y", elem, [2, 3, 1, 1])])
+    (y,) = validate.reference_evaluator(model).run(None, {"x": x})
+    want = x.astype(np.float64).mean(axis=(2, 3), keepdims=True)
+    assert y.dtype == LOW[elem] and y.shape == want.shape
+    assert _ulps(y, want) <= 1.0
