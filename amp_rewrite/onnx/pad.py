@@ -57,9 +57,11 @@ class PadStats:
 
 
 def pad_model(model: ir.Model, policy: PadPolicy | None = None,
-              low: tuple[ir.DataType, ...] = _LOW) -> PadStats:
+              low: tuple[ir.DataType, ...] = _LOW,
+              concat_dtypes: tuple[ir.DataType, ...] = ()) -> PadStats:
     """Plan and apply padding to ``model``'s main graph; ``low``: output dtypes that make a
-    GEMM/conv eligible."""
+    GEMM/conv eligible; ``concat_dtypes``: activations of these dtypes are padded by Concat
+    with a filled block instead of ``Pad`` (a runtime without their Pad kernel)."""
     stats = PadStats(plan=PaddingPlan.empty(policy))
     if model.opset_imports.get("", 0) < MIN_OPSET:
         logger.info("padding skipped: opset < %d", MIN_OPSET)
@@ -76,7 +78,7 @@ def pad_model(model: ir.Model, policy: PadPolicy | None = None,
         ir.passes.common.ShapeInferencePass(strict_mode=False)(model)
     stats.plan = plan_padding(build_pad_graph(graph, low), policy, runtime_pads=True)
     if not stats.plan.is_empty():
-        _Applier(graph, stats.plan, stats).run()
+        _Applier(graph, stats.plan, stats, concat_dtypes).run()
     return stats
 
 
@@ -261,8 +263,10 @@ def _pointwise(base: PadOp, node: ir.Node, specs, offsets=None) -> PadOp:
 class _Applier:
     """Gives each read the layout the plan asks for (module docstring)."""
 
-    def __init__(self, graph: ir.Graph, plan: PaddingPlan, stats: PadStats) -> None:
+    def __init__(self, graph: ir.Graph, plan: PaddingPlan, stats: PadStats,
+                 concat_dtypes: tuple[ir.DataType, ...] = ()) -> None:
         self.graph, self.plan, self.stats = graph, plan, stats
+        self.concat_dtypes = concat_dtypes  # padded by Concat, not Pad (``_concat_zeros``)
         self.namer = _Namer.of_graphs([graph])
         self.versions: dict[tuple[ir.Value, tuple[AxisPad, ...]], ir.Value] = {}
         self.symbols = input_symbols(graph)
@@ -376,19 +380,50 @@ class _Applier:
         for p in pads:
             if isinstance(p.size, int):
                 widths[rank + p.axis] = p.padded - p.size
-        fill = self._initializer(f"{value.name}_padfill",
-                                 np.array(pads[0].fill, dtype=value.dtype.numpy()))
         nodes: list[ir.Node] = []
         amounts = self._pad_amounts(nodes, value, widths,
                                     [p for p in pads if isinstance(p.size, str)])
         out = ir.Value(name=self.namer(f"{value.name}_padded"), type=value.type,
                        shape=_padded_shape(value.shape, pads))
-        nodes.append(ir.Node("", "Pad", [value, amounts, fill],
-                             outputs=[out], name=f"amp_pad_{out.name}",
-                             metadata_props={INSERTED_TAG: "pad", REASON_KEY: _why(pads)}))
+        tags = {INSERTED_TAG: "pad", REASON_KEY: _why(pads)}
+        if self.concat_dtypes and value.dtype in self.concat_dtypes:
+            self._concat_zeros(nodes, value, pads, amounts, out, tags)
+        else:
+            fill = self._initializer(f"{value.name}_padfill",
+                                     np.array(pads[0].fill, dtype=value.dtype.numpy()))
+            nodes.append(ir.Node("", "Pad", [value, amounts, fill], outputs=[out],
+                                 name=f"amp_pad_{out.name}", metadata_props=tags))
         self._insert_after(value, nodes)
         self.stats.pads_inserted += 1
         return out
+
+    def _concat_zeros(self, nodes: list[ir.Node], value: ir.Value, pads: tuple[AxisPad, ...],
+                      amounts: ir.Value, out: ir.Value, tags: dict[str, str]) -> None:
+        """``Pad`` written as a Concat of ``value`` and a filled block per padded axis, for
+        dtypes whose Pad kernel a runtime lacks (onnxruntime's CUDA provider has no bf16 Pad;
+        Shape, ScatterElements, Expand and Concat it has, and their schemas admit bf16 from
+        opset 13, as Pad's does). The block is the fill expanded to ``value``'s shape at run
+        time with the axis set to its pad amount (``amounts[rank + axis]``)."""
+        rank = len(value.shape)
+        current = value
+        for i, p in enumerate(sorted(pads, key=lambda p: p.axis)):
+            at = self._int64("amp_axis", [rank + p.axis])
+            width = self._node(nodes, "Slice", [amounts, at, self._node(
+                nodes, "Add", [at, self._int64("amp_one", [1])])])
+            block_shape = self._node(nodes, "ScatterElements", [
+                self._node(nodes, "Shape", [current]), self._int64("amp_axis", [p.axis]), width])
+            fill = self._initializer(f"{value.name}_padfill",
+                                     np.array([p.fill], dtype=value.dtype.numpy()))
+            block = ir.Value(name=self.namer(f"{value.name}_padblock"), type=value.type)
+            nodes.append(ir.Node("", "Expand", [fill, block_shape], outputs=[block],
+                                 name=f"amp_padblock_{block.name}", metadata_props=dict(tags)))
+            last = i == len(pads) - 1
+            joined = out if last else ir.Value(name=self.namer(f"{value.name}_padpart"),
+                                               type=value.type)
+            nodes.append(ir.Node("", "Concat", [current, block], outputs=[joined],
+                                 attributes=[ir.AttrInt64("axis", p.axis)],
+                                 name=f"amp_pad_{joined.name}", metadata_props=dict(tags)))
+            current = joined
 
     def _pad_amounts(self, nodes: list[ir.Node], value: ir.Value, widths: list[int],
                      symbolic: list[AxisPad]) -> ir.Value:

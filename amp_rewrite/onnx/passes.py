@@ -206,7 +206,9 @@ class MixedPrecisionPass(ir.passes.InPlacePass):
         return self.stats.modified
 
     def _pad(self, model: ir.Model) -> bool:
-        self.pad_stats = pad_model(model, self.options.pad_policy)
+        # onnxruntime's CUDA provider has no bf16 Pad kernel (kernels.py): Concat instead
+        concat = (ir.DataType.BFLOAT16,) if self.options.target == "ort" else ()
+        self.pad_stats = pad_model(model, self.options.pad_policy, concat_dtypes=concat)
         return self.pad_stats.modified
 
     def plan_view(self, extra_pins: Mapping | None = None,

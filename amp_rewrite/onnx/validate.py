@@ -871,7 +871,9 @@ def cuda_kernels(model, registry: CudaRegistry | tuple[tuple, ...] | str | None 
     for node, dtypes in _low_nodes(model):
         opset = node.version or opsets.get(node.domain, opsets.get("", 1))
         kernels = by_op.get((node.domain, node.op_type), [])
-        wanted = {f"tensor({d})" for d in dtypes}
+        # the 16-bit types only: a float32 port is one the schema fixes (Resize's scales)
+        # or a second type variable (LayerNorm's U), which kernels list only where typed
+        wanted = {f"tensor({d})" for d in dtypes & _LOW_TYPES}
         if not any(since <= opset <= until and wanted <= types
                    for since, until, types in kernels):
             missing.add(f"{node.op_type}({','.join(sorted(dtypes & _LOW_TYPES))}) opset {opset}")

@@ -117,3 +117,15 @@ def test_a_mixed_plan_for_onnxruntime_loads_on_its_cuda_provider():
     bn = next(r for r in schema_only.report["nodes"] if r["name"] == "bn")
     assert bn["dtype"] == "float32" and "fewer cast bytes than bf16" in bn["reason"]
     assert _error(fp32, result.proto()) < 1e-2
+
+
+def test_a_float32_port_the_schema_fixes_does_not_hide_a_16_bit_kernel():
+    # Resize's scales are tensor(float) by its schema; onnxruntime's CUDA provider has an fp16
+    # Resize from opset 19 on (its T1 type list names float16 only)
+    graph = helper.make_graph(
+        [helper.make_node("Resize", ["x", "", "scales"], ["y"], mode="nearest")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [1, 2, 4, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [1, 2, 8, 8])],
+        [numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales")])
+    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 22)]))
+    assert validate.cuda_kernels(model)[CUDA] is True

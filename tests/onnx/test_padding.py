@@ -252,3 +252,24 @@ def test_gemm_trans_b_output_that_is_also_a_graph_output_is_sliced_for_it_only()
     for want, got in zip(_run(model, feeds), _run(padded, feeds)):
         assert got.shape == want.shape
         assert np.abs(got - want).max() / np.abs(want).max() <= 1e-6
+
+
+def test_bf16_activations_for_onnxruntime_are_padded_by_concat_not_pad():
+    """onnxruntime's CUDA provider has no bf16 Pad kernel: for it (target ort) the activation
+    read padded is joined with a zero block (Concat of a zero Expand-ed to a run-time shape,
+    here along K with a symbolic batch); for other runtimes it stays a Pad. Both compute the
+    same values, exactly."""
+    from amp_rewrite.onnx import validate
+
+    model = mlp_100_37_1001()
+    feeds = {"x": _RNG.standard_normal((3, 100)).astype(np.float32)}
+    ort = rewrite_onnx_model(model, dtype="bf16", pad=COMPUTE_BOUND).proto()
+    onnx_target = rewrite_onnx_model(model, dtype="bf16", pad=COMPUTE_BOUND,
+                                     target="onnx").proto()
+    assert "Pad" not in _ops(ort) and {"Concat", "Expand"} <= set(_ops(ort))
+    assert "Pad" in _ops(onnx_target)
+    onnx.checker.check_model(ort, full_check=True)
+    (a,), (b,) = _run(ort, feeds), _run(onnx_target, feeds)
+    assert a.shape == (3, 1001) and np.array_equal(a, b)
+    runs_on = validate.cuda_kernels(ir.from_proto(ort))
+    assert runs_on["CUDAExecutionProvider"] is True, runs_on
