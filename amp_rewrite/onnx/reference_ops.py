@@ -1,11 +1,14 @@
 """``onnx.reference`` kernels for the onnxruntime contrib ops the fusion step can emit, and
-float32-accumulating versions of the standard GEMMs, normalisations and global average pool.
+float32-accumulating versions of the standard GEMMs, normalisations, global average pool,
+reductions, softmaxes and Einsum.
 
 Each follows the GPU kernel it stands for: inputs read in their declared dtype, arithmetic in
 float32, every output rounded once to its declared dtype, so validation sees the runtime's
 rounding. onnx.reference itself computes a float16 normalisation in float16 (x² overflows
 for |x| > 256, where the runtime keeps its statistics in float32) and a float16 GEMM without
-BLAS, about 20 times slower than the same product in float32.
+BLAS, about 20 times slower than the same product in float32. numpy sums a bfloat16 array
+in bfloat16 (a sum of ones stops growing at 256) and a float16 one in float16 along a
+strided axis, where the runtime's reductions, softmaxes and Einsum accumulate in float32.
 """
 from __future__ import annotations
 
@@ -14,8 +17,12 @@ import math
 import ml_dtypes
 import numpy as np
 from onnx.reference.op_run import OpRun
-from onnx.reference.ops import (op_conv, op_conv_transpose, op_gemm, op_global_average_pool,
-                                op_instance_normalization, op_layer_normalization, op_matmul)
+from onnx.reference.ops import (op_conv, op_conv_transpose, op_einsum, op_gemm,
+                                op_global_average_pool, op_instance_normalization,
+                                op_layer_normalization, op_log_softmax, op_lp_normalization,
+                                op_matmul, op_reduce_l1, op_reduce_l2, op_reduce_log_sum,
+                                op_reduce_log_sum_exp, op_reduce_mean, op_reduce_prod,
+                                op_reduce_sum, op_reduce_sum_square, op_softmax)
 
 try:
     from onnx.reference.ops.op_rms_normalization import RMSNormalization as _RMSNormalization
@@ -378,10 +385,78 @@ class GlobalAveragePool(_InFloat32, op_global_average_pool.GlobalAveragePool):
     float16 one in float32; the GPU kernel sums in float32 for both."""
 
 
+# The reductions: onnx.reference's newest kernel serves every opset (the schema it reads
+# the defaults from is the newest too, and ``axes`` arrives as the opset's attribute or input).
+# onnxruntime's CUDA reductions accumulate a 16-bit input in float32 (cuDNN with a float
+# compute type, or its own kernels with float accumulators); for ReduceSumSquare, ReduceLogSum
+# and ReduceLogSumExp it rounds x², the sum or exp to the input dtype on the way, within an
+# ulp of this.
+class ReduceSum(_InFloat32, op_reduce_sum.ReduceSum_13):
+    pass
+
+
+class ReduceMean(_InFloat32, op_reduce_mean.ReduceMean_18):
+    pass
+
+
+class ReduceSumSquare(_InFloat32, op_reduce_sum_square.ReduceSumSquare_18):
+    pass
+
+
+class ReduceL1(_InFloat32, op_reduce_l1.ReduceL1_18):
+    pass
+
+
+class ReduceL2(_InFloat32, op_reduce_l2.ReduceL2_18):
+    pass
+
+
+class ReduceLogSum(_InFloat32, op_reduce_log_sum.ReduceLogSum_18):
+    pass
+
+
+class ReduceLogSumExp(_InFloat32, op_reduce_log_sum_exp.ReduceLogSumExp_18):
+    pass
+
+
+class ReduceProd(_InFloat32, op_reduce_prod.ReduceProd_18):
+    pass
+
+
+class Softmax(_InFloat32, op_softmax.Softmax):
+    pass
+
+
+class LogSoftmax(op_log_softmax.LogSoftmax):
+    """x − max − log Σ exp(x − max) in float32, as the GPU kernel computes it; onnx.reference
+    takes the log of a softmax (−inf where the probability underflows)."""
+
+    op_domain = ""
+
+    def _run(self, x):
+        if not _is_low(x) or x.size == 0:
+            return super()._run(x)
+        v = _f32(x)
+        shifted = v - v.max(axis=self.axis, keepdims=True)
+        return ((shifted - np.log(np.exp(shifted).sum(axis=self.axis, keepdims=True)))
+                .astype(x.dtype),)
+
+
+class LpNormalization(_InFloat32, op_lp_normalization.LpNormalization):
+    pass
+
+
+class Einsum(_InFloat32, op_einsum.Einsum):
+    """onnx.reference promotes bfloat16 itself, not float16 (cuBLAS and the CUDA reductions
+    accumulate both in float32)."""
+
+
 #: Standard ops computed in float32 and rounded once (module docstring).
 FLOAT32_KERNELS: tuple[type[OpRun], ...] = (
     MatMul, Gemm, Conv, ConvTranspose, LayerNormalization, InstanceNormalization,
-    BatchNormalization, GlobalAveragePool,
+    BatchNormalization, GlobalAveragePool, ReduceSum, ReduceMean, ReduceSumSquare, ReduceL1,
+    ReduceL2, ReduceLogSum, ReduceLogSumExp, ReduceProd, Softmax, LogSoftmax, LpNormalization,
+    Einsum,
 )
 if _RMSNormalization is not None:
     class RMSNormalization(_InFloat32, _RMSNormalization):
