@@ -213,8 +213,8 @@ def _low_dtype_opset(loaded: LoadedModel, low: LowDtype | str, rules, opset: int
     ``keep_opset`` would, without refusing: those ops stay fp32 and the note says why.
 
     A mixed plan converts only for the ops it may run bf16 for range (``hot``: the values
-    calibration saw beyond fp16's threshold; ``mixed.range_op_types``): a model that needs
-    no range keeps its opset, and with ``keep_opset`` those ops stay fp32 without refusing,
+    calibration saw beyond fp16's threshold, less those a rescale brings within it;
+    ``mixed.range_op_types``): a model that needs no range keeps its opset, and with ``keep_opset`` those ops stay fp32 without refusing,
     since the plan still has fp16 and fp32 for them. ``cuda_bf16_only``: only ops that
     onnxruntime's CUDA provider has a bf16 kernel for at some opset count (``kernels.py``):
     converting for the others would not let them run bf16."""
@@ -225,8 +225,12 @@ def _low_dtype_opset(loaded: LoadedModel, low: LowDtype | str, rules, opset: int
         return loaded, None
     if low == MIXED:
         from amp_rewrite.onnx.mixed import range_op_types
+        from amp_rewrite.onnx.rescale import values_a_shift_fits
 
-        op_types = range_op_types(loaded.model, hot or {}, rules, loaded.info.flat)
+        hot = hot or {}
+        fitted = values_a_shift_fits(loaded.model.graph, hot) if hot else set()
+        op_types = range_op_types(loaded.model, {k: m for k, m in hot.items()
+                                                 if k not in fitted}, rules, loaded.info.flat)
     else:
         op_types = versions.default_domain_op_types(loaded.model, loaded.info.flat)
     if cuda_bf16_only:

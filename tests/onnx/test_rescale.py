@@ -117,3 +117,61 @@ def test_no_calibration_or_an_fp16_plan_rescales_nothing():
     assert rewrite_onnx_model(chain_model(), dtype="mixed").report["rescaled"] == []
     fp16 = rewrite_onnx_model(chain_model(), dtype="fp16", calibration_data=_hot_feeds())
     assert fp16.report["rescaled"] == []
+
+
+def conv_bn_constants_model(opset: int = 12) -> onnx.ModelProto:
+    """x → Conv(W, B) → h → BatchNormalization(variance up to 1e8) → Relu → y, the weights and
+    statistics as Constant nodes (paddle2onnx writes them so): a trained detector's head."""
+    rng = np.random.default_rng(2)
+    arrays = {"W": rng.standard_normal((8, 3, 3, 3)).astype(np.float32),
+              "B": rng.standard_normal(8).astype(np.float32),
+              "scale": rng.uniform(0.5, 1.5, 8).astype(np.float32),
+              "bias": rng.uniform(-0.5, 0.5, 8).astype(np.float32),
+              "mean": rng.uniform(-100, 100, 8).astype(np.float32),
+              "var": rng.uniform(1e7, 1e8, 8).astype(np.float32)}
+    nodes = [helper.make_node("Constant", [], [n], value=numpy_helper.from_array(a, n))
+             for n, a in arrays.items()]
+    nodes += [helper.make_node("Conv", ["x", "W", "B"], ["h"], name="conv", pads=[1, 1, 1, 1]),
+              helper.make_node("BatchNormalization", ["h", "scale", "bias", "mean", "var"],
+                               ["n"], name="bn", epsilon=1e-5, momentum=0.9),
+              helper.make_node("Relu", ["n"], ["y"], name="relu")]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", F32, [2, 3, 8, 8])],
+        [helper.make_tensor_value_info("y", F32, [2, 8, 8, 8])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def _conv_feeds(seed: int = 3) -> dict[str, np.ndarray]:
+    # |h| up to ~1e4 · √27: past the 4096 threshold, as the detector's first conv writes
+    x = np.random.default_rng(seed).standard_normal((2, 3, 8, 8)) * 3e3
+    return {"x": x.astype(np.float32)}
+
+
+def test_a_conv_normalised_at_once_is_rescaled_exactly_through_its_statistics():
+    """Conv → BatchNorm: W and B × 2^-k, the mean × 2^-k, the variance and epsilon × 2^-2k;
+    √(2^-2k·(var + ε)) = 2^-k·√(var + ε) exactly, so the FP32 outputs stay bit for bit."""
+    original = onnx.shape_inference.infer_shapes(conv_bn_constants_model())  # typed, as loaded
+    model = ir.from_proto(original)
+    peak = validate.value_maxima(original, _conv_feeds())["h"]
+    k = math.ceil(math.log2(peak / 4096.0))  # by hand: W's entries ~1 stay normal fp16
+    done = rescale_hot_chains(model.graph, {"h": peak})
+    assert [(r.up, r.down, r.shift) for r in done] == [("conv", "bn", k)]
+    bn = next(n for n in model.graph if n.name == "bn")
+    assert bn.attributes["epsilon"].as_float() == np.float32(1e-5) * np.float32(4.0 ** -k)
+    rescaled = ir.to_proto(model)
+    before, after = validate.run(original, _conv_feeds(4)), validate.run(rescaled, _conv_feeds(4))
+    assert np.array_equal(before["y"], after["y"])
+
+
+def test_the_rescaled_conv_runs_fp16_in_a_mixed_plan_without_an_opset_conversion():
+    """Unscaled, the conv's output needs range: bf16, which Conv has from opset 22 only (a
+    conversion). Rescaled, it runs fp16 at opset 12; the BatchNorm, whose variance is still
+    beyond fp16 and which onnxruntime's CUDA provider has no bf16 kernel for, runs fp32."""
+    result = rewrite_onnx_model(conv_bn_constants_model(), dtype="mixed",
+                                calibration_data=_conv_feeds())
+    assert _dtypes(result) == {"conv": "float16", "bn": "float32", "relu": "float32"}
+    assert [r["node"] for r in result.report["rescaled"]] == ["conv"]
+    assert result.report["opset_conversion"] is None
+    expected = validate.run(conv_bn_constants_model(), _conv_feeds(5))["y"]
+    got = validate.reference_run(result.proto(), _conv_feeds(5))["y"]
+    assert np.abs(got - expected).max() / np.abs(expected).max() < 5e-3
