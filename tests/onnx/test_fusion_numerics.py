@@ -122,12 +122,17 @@ def _rms_rel(got: np.ndarray, ref: np.ndarray) -> float:
                  / max(np.sqrt(np.mean(ref64 ** 2)), 1e-30))
 
 
+# A value's rms error moves by -7% to +15% from one input draw to the next: the mean of 8
+# draws is what the 2% margin can judge
+DRAWS = 8
+
+
 @pytest.mark.slow
 def test_fused_bert_is_no_less_accurate_than_unfused_at_every_value_under_true_fp16():
     """Same casts and share with and without fusion on BERT, so the only difference is the
     fused kernels: under onnx.reference (true fp16 rounding) every value both graphs compute
     (the fused chains' boundaries, the projections, the output) is at least as close to FP32
-    with fusion, averaged over three input draws (rms, within 2%)."""
+    with fusion, averaged over ``DRAWS`` input draws (rms, within 2%)."""
     from tests.models import zoo
 
     path = zoo.cached_onnx("bert")
@@ -141,7 +146,7 @@ def test_fused_bert_is_no_less_accurate_than_unfused_at_every_value_under_true_f
     shared += [o.name for o in fp32.graph.output]
     models = [_exposed(m, shared) for m in (fp32, fused, unfused)]
     errors = {name: [[], []] for name in shared}
-    for seed in range(3):
+    for seed in range(DRAWS):
         feeds = zoo.onnx_inputs(zoo.build("bert", seed=seed), path)
         ref, *outs = [validate.reference_run(m, validate.as_declared(m, feeds)) for m in models]
         for name in shared:
