@@ -1,6 +1,7 @@
 """Training step on this CPU: amp_rewrite against torch.autocast, eager and compiled.
 
-Two comparisons per model, bf16 by default:
+Two comparisons per model, bf16 by default (``--dtype mixed``: amp_rewrite's ``dtype="mixed"``
+against autocast bf16, see benchmarks/gpu_training.py):
 * ``export``: the rewritten graph (``amp_rewrite.rewrite`` + ``AmpOptimizer``) against
   ``torch.autocast`` eager;
 * ``backend``: ``amp_rewrite.compile`` against ``torch.compile`` under autocast.
@@ -12,8 +13,13 @@ swings by 2x over minutes) favours neither side. The speed-up of a round is peer
 of that round's pair, measured back to back; the table gives the median over rounds and its
 spread (min to max), with the median step times.
 
+With ``--dtype mixed``, autocast fp16 + GradScaler (``autocast_fp16``) also runs once per model
+after the rounds, eager: on a hot model it skips its steps (its time is no comparison), and
+the table gives how many of its steps GradScaler skipped (``fp16_skipped``), beside ours.
+
     python -m benchmarks fx step [--models bert_4l_h256 ...] [--compare export backend]
-        [--rounds 3] [--steps 6] [--warmup 2] [--json results/bench_cpu_step.json]
+        [--dtype bf16|fp16|mixed] [--rounds 3] [--steps 6] [--warmup 2]
+        [--json results/bench_cpu_step.json]
 """
 from __future__ import annotations
 
@@ -31,6 +37,8 @@ from benchmarks.timing import machine, rows_in_fresh_process
 # comparison -> (ours, peer), each (variant, compiled)
 COMPARISONS = {"export": (("amp_rewrite", False), ("autocast", False)),
                "backend": (("backend", True), ("autocast", True))}
+# --dtype mixed: the fp16 peer, run once for its skipped steps (autocast fp16 overflows)
+FP16_PEER = ("autocast_fp16", False)
 
 
 def run_variant(args: argparse.Namespace, model: str, variant: str, compiled: bool) -> dict:
@@ -64,8 +72,20 @@ def summarise(rows: list[dict], models: list[str], comparisons: list[str]) -> li
                 "ours_ms": round(statistics.median(p[0] for p in pairs), 1),
                 "peer_ms": round(statistics.median(p[1] for p in pairs), 1),
                 "speedup": round(statistics.median(speedups), 3),
-                "speedup_min": round(min(speedups), 3), "speedup_max": round(max(speedups), 3)})
+                "speedup_min": round(min(speedups), 3), "speedup_max": round(max(speedups), 3),
+                **_skips(rows, model, ours, "ours"), **_skips(rows, model, FP16_PEER, "fp16")})
     return table
+
+
+def _skips(rows: list[dict], model: str, side: tuple[str, bool], key: str) -> dict:
+    """``{key}_skipped``: steps skipped for Inf/NaN over ``{key}_updates`` optimizer updates
+    (the last row of that side that counted them; a run without scaling counts none)."""
+    variant, compiled = side
+    counted = [row for row in rows if (row["model"], row["variant"], row["compile"]) == (
+        model, variant, compiled) and "skipped" in row]
+    if not counted:
+        return {}
+    return {f"{key}_skipped": counted[-1]["skipped"], f"{key}_updates": counted[-1]["updates"]}
 
 
 def _ms(rows: list[dict], model: str, side: tuple[str, bool], round_: int) -> float | None:
@@ -92,6 +112,11 @@ def print_table(table: list[dict]) -> None:
         print(f"{t['model']:15s} {t['comparison']:10s} {t['ours_ms']:9.1f} {t['peer_ms']:9.1f} "
               f"{t['speedup']:8.2f}x {t['speedup_min']:5.2f}-{t['speedup_max']:.2f}x "
               f"{t['rounds']:6d}")
+    for t in table:
+        for key, who in (("ours", "ours"), ("fp16", "autocast fp16 + GradScaler")):
+            if f"{key}_skipped" in t:
+                print(f"{t['model']:15s} {t['comparison']:10s} {who}: skipped "
+                      f"{t[f'{key}_skipped']} of {t[f'{key}_updates']} steps (Inf/NaN)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,18 +139,28 @@ def main(argv: list[str] | None = None) -> int:
         order = variants if round_ % 2 == 0 else variants[::-1]
         for model in args.models:
             for variant, compiled in order:
-                row = {**run_variant(args, model, variant, compiled), "round": round_}
-                rows.append(row)
-                mode = "compiled" if compiled else "eager"
-                print(f"round {round_} {model:15s} {variant:12s} {mode:8s} "
-                      + (f"{row['ms']:9.1f} ms" if "ms" in row else row.get("error", "?")),
-                      flush=True)
+                rows.append(_run_and_print(args, model, variant, compiled, round_))
                 _save(args, rows, summarise(rows, args.models, args.compare))
+    if args.dtype == "mixed":  # after the rounds: it never takes a round's place
+        for model in args.models:
+            rows.append(_run_and_print(args, model, *FP16_PEER, args.rounds))
+            _save(args, rows, summarise(rows, args.models, args.compare))
     table = summarise(rows, args.models, args.compare)
     print_table(table)
     _save(args, rows, table)
     print(f"wrote {args.json}")
     return 0
+
+
+def _run_and_print(args: argparse.Namespace, model: str, variant: str, compiled: bool,
+                   round_: int) -> dict:
+    row = {**run_variant(args, model, variant, compiled), "round": round_}
+    mode = "compiled" if compiled else "eager"
+    skipped = f"  skipped {row['skipped']}/{row['updates']}" if "skipped" in row else ""
+    print(f"round {round_} {model:15s} {variant:13s} {mode:8s} "
+          + (f"{row['ms']:9.1f} ms{skipped}" if "ms" in row else row.get("error", "?")),
+          flush=True)
+    return row
 
 
 def _save(args: argparse.Namespace, rows: list[dict], table: list[dict]) -> None:

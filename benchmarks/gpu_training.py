@@ -10,10 +10,15 @@ Models (random weights from ``transformers`` configs, no download), on random da
   FFN 2048, vocabulary 32000), language modelling, batch 8 x 512 tokens;
 * ``resnet50``: ResNet-50 image classification, batch 64 x 3 x 224 x 224 (3-channel stem);
 * ``mlp_odd``: Linear 4095 -> 11007 -> GELU -> 4095 on 16 x 512 tokens (every GEMM dim
-  misaligned; the padding workload).
+  misaligned; the padding workload);
+* ``t5_hot``: the zoo's small T5 (tests/models/hot.py ``hot_variant("t5", 3e5)``) whose FFN
+  intermediates reach 3e5, as trained T5 checkpoints' do, beyond fp16's range; dropout off,
+  the copy task of tests/training/test_mixed_training.py on batch 8 x 16 tokens (decoder 8).
+  It is small either way, so ``--tiny`` builds the same model.
 
-Variants: ``fp32``; ``autocast`` (+ GradScaler for fp16); ``amp_rewrite`` (the defaults:
-fusion on, padding on for CUDA); ``amp_rewrite_nofuse`` (``fuse=False``);
+Variants: ``fp32``; ``autocast`` (+ GradScaler for fp16); ``autocast_fp16`` (autocast fp16 +
+GradScaler whatever ``--dtype`` says: the fp16 peer of ``--dtype mixed``); ``amp_rewrite``
+(the defaults: fusion on, padding on for CUDA); ``amp_rewrite_nofuse`` (``fuse=False``);
 ``amp_rewrite_nopad`` (``pad=False``); ``backend`` (``amp_rewrite.compile``: the
 ``torch.compile`` backend on the user's module, with ``AmpOptimizer``) and
 ``backend_gradscaler`` (the backend with ``torch.amp.GradScaler``) and ``backend_low_io`` (the
@@ -34,12 +39,21 @@ compiled in the first step, with Inductor's caches off so nothing is loaded inst
 compiled): a device-independent count of memory traffic. It covers compiled code only, not
 eager code around it (the loss, and autocast's eager ``.float()`` copy of the logits).
 
+``--dtype mixed``: the amp_rewrite variants rewrite with ``dtype="mixed"`` (each node fp16,
+bf16 or fp32; ``AmpOptimizer`` scales the loss where fp16 nodes exist), while ``autocast`` runs
+bf16, the peer that trains such a model at all; ``autocast_fp16`` is there for its skipped steps
+(on ``t5_hot`` its forward overflows: every step is skipped and its time is not comparable).
+``skipped`` counts the optimizer steps skipped for Inf/NaN gradients over every step of the
+variant (the first, warm-up and measured ones, and on CUDA the sync check's), out of
+``updates``: ``AmpOptimizer``'s counter, or for GradScaler the steps whose inf checks found
+Inf/NaN (the optimizer step skipped).
+
 Rows are appended to ``--out`` as they finish (a killed run keeps what it measured). Without
 CUDA it says so and exits 0; ``--device cpu --tiny`` runs the same code on tiny configs (a
 smoke test of the script, not a benchmark).
 
     python -m benchmarks gpu train [--models bert gpt2 resnet50 mlp_odd]
-        [--variants ...] [--dtype fp16|bf16] [--compile off|on|both]
+        [--variants ...] [--dtype fp16|bf16|mixed] [--compile off|on|both]
         [--phases train forward] [--steps 20] [--warmup 5]
         [--json results/bench_gpu_training.json]
 """
@@ -66,9 +80,11 @@ from amp_rewrite.fx import kernel_timing
 from amp_rewrite.training import AmpOptimizer
 from benchmarks.timing import add_same_process_flag, rows_in_fresh_process
 
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-VARIANTS = ("fp32", "autocast", "amp_rewrite", "amp_rewrite_nofuse", "amp_rewrite_nopad",
-            "backend", "backend_gradscaler", "backend_low_io")
+# "mixed" is no torch dtype: amp_rewrite takes it as it is; autocast runs bf16 then
+# (_autocast_dtype)
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "mixed": "mixed"}
+VARIANTS = ("fp32", "autocast", "autocast_fp16", "amp_rewrite", "amp_rewrite_nofuse",
+            "amp_rewrite_nopad", "backend", "backend_gradscaler", "backend_low_io")
 BACKEND_OPTIONS = {"backend": {}, "backend_gradscaler": {},
                    "backend_low_io": {"keep_io_types": False}}
 # CPU shapes: 4 layers, batch 8 x 128 tokens (ViT: 8 images of 224 x 224, 197 tokens), at
@@ -76,7 +92,8 @@ BACKEND_OPTIONS = {"backend": {}, "backend_gradscaler": {},
 CPU_FAMILIES = ("bert", "gpt2", "llama", "vit")
 CPU_WIDTHS = (256, 768)
 CPU_MODELS = tuple(f"{family}_4l_h{width}" for family in CPU_FAMILIES for width in CPU_WIDTHS)
-MODELS = ("bert", "bert_4l", "gpt2", "llama", "resnet50", "mlp_odd", *CPU_MODELS)
+MODELS = ("bert", "bert_4l", "gpt2", "llama", "resnet50", "mlp_odd", "t5_hot", *CPU_MODELS)
+AUTOCAST_VARIANTS = ("autocast", "autocast_fp16")
 REWRITE_OPTIONS = {"amp_rewrite": {}, "amp_rewrite_nofuse": {"fuse": False},
                    "amp_rewrite_nopad": {"pad": False}}
 
@@ -187,9 +204,30 @@ def _mlp_odd(tiny: bool, g: torch.Generator) -> tuple[torch.nn.Module, torch.Ten
     return module, x, lambda out: out.float().square().mean()
 
 
+def _t5_hot(device: torch.device) -> tuple[torch.nn.Module, tuple, Callable]:
+    """The hot T5 of tests/training/test_mixed_training.py, its first batch and its loss."""
+    from tests.models.hot import hot_variant
+
+    module = hot_variant("t5", target=3e5).module
+    for m in module.modules():  # dropout off, as in the test: every variant, one function
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    gen = torch.Generator().manual_seed(1)  # the test's first batch: decoder copies 8 tokens
+    ids = torch.randint(1, 128, (8, 16), generator=gen)
+    decoder_ids = torch.randint(1, 128, (8, 8), generator=gen)
+    labels = ids[:, :8].to(device)
+    inputs = (ids, torch.ones(8, 16, dtype=torch.long), decoder_ids)
+    return module, inputs, lambda logits: F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
 def build(name: str, tiny: bool, device: torch.device) -> Workload:
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
+    if name == "t5_hot":  # several inputs; small at any setting
+        module, inputs, loss = _t5_hot(device)
+        return Workload(name, module.to(device).train(),
+                        tuple(x.to(device) for x in inputs), loss)
     if name in ("bert", "bert_4l", "gpt2", "llama"):
         module, x, loss = _text(name, tiny, g, device)
     elif name == "resnet50":
@@ -223,6 +261,7 @@ class Prepared:
     update: Callable[[], None]  # optimizer step (unscale, skip, scale update) and zero_grad
     forward: Callable[[], torch.Tensor]
     prep_s: float
+    skips: Callable[[], dict]  # {"skipped": ..., "updates": ...} so far; {} without scaling
 
     def step(self) -> torch.Tensor:
         loss = self.backward()
@@ -244,18 +283,29 @@ def prepare(variant: str, work: Workload, dtype: torch.dtype, compile_: bool,
     else:
         model = torch.compile(module) if compile_ else module
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4, fused=True)
-    backward, update = _train_step(variant, model, work, dtype, device, optimizer)
+    backward, update, skips = _train_step(variant, model, module, work, dtype, device,
+                                          optimizer)
 
     @torch.no_grad()
     def forward() -> torch.Tensor:
-        with torch.autocast(device.type, dtype=dtype, enabled=variant == "autocast"):
+        with torch.autocast(device.type, dtype=_autocast_dtype(variant, dtype),
+                            enabled=variant in AUTOCAST_VARIANTS):
             return model(*work.inputs)
-    return Prepared(model, backward, update, forward, prep_s)
+    return Prepared(model, backward, update, forward, prep_s, skips)
 
 
-def _train_step(variant: str, model: Callable, work: Workload, dtype: torch.dtype,
-                device: torch.device, optimizer: torch.optim.Optimizer
-                ) -> tuple[Callable[[], torch.Tensor], Callable[[], None]]:
+def _autocast_dtype(variant: str, dtype: torch.dtype | str) -> torch.dtype:
+    """autocast has no mixed: bf16 is the peer that trains a hot model (fp16 overflows);
+    ``autocast_fp16`` is fp16 whatever ``--dtype`` says."""
+    if variant == "autocast_fp16":
+        return torch.float16
+    return torch.bfloat16 if dtype == "mixed" else dtype
+
+
+def _train_step(variant: str, model: Callable, module: torch.nn.Module, work: Workload,
+                dtype: torch.dtype | str, device: torch.device,
+                optimizer: torch.optim.Optimizer
+                ) -> tuple[Callable[[], torch.Tensor], Callable[[], None], Callable[[], dict]]:
     if variant == "fp32":
         def backward() -> torch.Tensor:
             loss = work.loss(model(*work.inputs))
@@ -265,11 +315,20 @@ def _train_step(variant: str, model: Callable, work: Workload, dtype: torch.dtyp
         def update() -> None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    elif variant in ("autocast", "backend_gradscaler"):
-        scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+
+        def skips() -> dict:
+            return {}  # nothing scaled, nothing skipped
+    elif variant in (*AUTOCAST_VARIANTS, "backend_gradscaler"):
+        # the backend's mixed plan may run fp16 nodes: scaled, as AmpOptimizer would
+        low = dtype if variant == "backend_gradscaler" else _autocast_dtype(variant, dtype)
+        scaler = torch.amp.GradScaler(device.type, enabled=low in (torch.float16, "mixed"))
+        # steps skipped (Inf/NaN found), counted on the device: a host read every step would
+        # synchronise it. Not the scale's drops: once it backs off to 0 it drops no more
+        skipped, updates = torch.zeros((), device=device), [0]
 
         def backward() -> torch.Tensor:
-            with torch.autocast(device.type, dtype=dtype, enabled=variant == "autocast"):
+            with torch.autocast(device.type, dtype=_autocast_dtype(variant, dtype),
+                                enabled=variant in AUTOCAST_VARIANTS):
                 logits = model(*work.inputs)
             loss = work.loss(logits)
             scaler.scale(loss).backward()
@@ -277,10 +336,24 @@ def _train_step(variant: str, model: Callable, work: Workload, dtype: torch.dtyp
 
         def update() -> None:
             scaler.step(optimizer)
+            if scaler.is_enabled():  # the inf checks of this step; update() clears them
+                found = scaler._found_inf_per_device(optimizer).values()
+                skipped.add_(sum(found) > 0)
+                updates[0] += 1
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
+
+        def skips() -> dict:
+            if not updates[0]:
+                return {}  # disabled
+            return {"skipped": int(skipped), "updates": updates[0],
+                    "scale": scaler.get_scale()}
     else:
-        amp = AmpOptimizer(optimizer, dtype=dtype)
+        # a mixed rewrite scales where it runs fp16 nodes (its report says); the backend
+        # knows its nodes only after a call: 'mixed' scales
+        rewritten = dtype == "mixed" and variant in REWRITE_OPTIONS
+        amp = AmpOptimizer(optimizer, model=module) if rewritten else \
+            AmpOptimizer(optimizer, dtype=dtype)
 
         def backward() -> torch.Tensor:
             loss = work.loss(model(*work.inputs))
@@ -290,7 +363,12 @@ def _train_step(variant: str, model: Callable, work: Workload, dtype: torch.dtyp
         def update() -> None:
             amp.step()
             amp.zero_grad()
-    return backward, update
+
+        def skips() -> dict:
+            if not amp.scaler.scaling:
+                return {}
+            return {"skipped": amp.skipped_steps, "updates": amp.optimizer_steps}
+    return backward, update, skips
 
 
 def measure(call: Callable[[], object], device: torch.device, warmup: int,
@@ -410,6 +488,7 @@ def _run_variant(args: argparse.Namespace, work: Workload, variant: str, compile
                     row["loss0"] = float(prepared.step().detach())
                 row.update(measure(prepared.step, device, args.warmup, args.steps))
                 row["sync_free"] = sync_free_step(prepared, device)
+                row.update(prepared.skips())
             else:
                 row.update(measure(prepared.forward, device, args.warmup, args.steps))
             row["kernel_choices"] = kernel_choice_counts()
@@ -445,7 +524,8 @@ def _format(row: dict) -> str:
     peak = f"{row['peak_mib']:10.0f}" if row["peak_mib"] is not None else f"{'n/a':>10s}"
     return (f"{head} {row['ms']:10.2f} {peak} {row['prep_s']:7.1f} {row['warmup_s']:7.1f}"
             f" {row.get('loss0', float('nan')):9.4f} {row.get('recompiles', ''):>4}"
-            f" {row.get('inductor_mb', ''):>9} {row.get('sync_free', '')}")
+            f" {row.get('inductor_mb', ''):>9} {row.get('sync_free', '')}"
+            + (f" skipped {row['skipped']}/{row['updates']}" if "skipped" in row else ""))
 
 
 def _save(out: Path, rows: list[dict], args: argparse.Namespace, device: torch.device) -> None:

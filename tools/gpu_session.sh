@@ -5,7 +5,7 @@
 #   OUT=/tmp/out bash tools/gpu_session.sh [all|rest|ort|ort2]
 # all: a smoke test, the compile backend against compiled autocast in bf16 and fp16 (~10 min);
 # rest (a second call on the warm machine): the backend with low outputs (bf16), fp16 with
-# GradScaler, and a step profile.
+# GradScaler, the hot T5 trained in mixed against autocast bf16, and a step profile.
 #   BENCH_EXTRA='--device cpu --tiny' OUT=/tmp/out bash tools/gpu_session.sh   # CPU dry run
 # ort: our ONNX output on onnxruntime's CUDA provider against FP32 and the peers
 # (benchmarks/ort_latency.py): a smoke test, BERT-base and GPT-2 at 1x128 and 8x512, the
@@ -98,6 +98,11 @@ section "backend low outputs bf16" 180 $TRAIN --models llama gpt2 bert resnet50 
     --dtype bf16 --variants backend_low_io --steps 20 --warmup 5 --json "$OUT/low_io_bf16.json"
 section "backend fp16 gradscaler" 180 $TRAIN --models llama gpt2 bert resnet50 --compile on \
     --dtype fp16 --variants backend_gradscaler --steps 20 --warmup 5 --json "$OUT/gradscaler.json"
+# the hot-FFN T5 (tests/models/hot.py) in dtype="mixed" against autocast bf16, eager, 200 steps;
+# autocast_fp16 for the steps its GradScaler skips (it overflows: its time is no comparison)
+section "mixed t5_hot" 150 $TRAIN --models t5_hot --compile off --dtype mixed \
+    --variants fp32 amp_rewrite autocast autocast_fp16 --steps 200 --warmup 10 \
+    --json "$OUT/mixed_t5_hot.json"
 section "profile llama" 120 python3 -m benchmarks gpu profile --models llama \
     --variants autocast backend --dtype bf16 --steps 3 --compile --json "$OUT/profile.json"
 fi
