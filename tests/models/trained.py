@@ -78,15 +78,28 @@ def path(key: str) -> Path:
     target = cache_dir() / "trained" / f"{key}-{entry.version}.onnx"
     if target.is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        wheel = _download(entry, Path(tmp))
-        with zipfile.ZipFile(wheel) as archive:
-            data = archive.read(entry.member)
-        partial = Path(tmp) / target.name
-        partial.write_bytes(data)
-        os.replace(partial, target)  # atomic: a parallel test sees the whole file or none
+    with zipfile.ZipFile(_wheel(entry)) as archive:
+        data = archive.read(entry.member)
+    _write_atomically(target, data)
     return target
+
+
+def _wheel(entry: Trained) -> Path:
+    """The entry's wheel in the cache (several models share one), downloaded once."""
+    wheel = cache_dir() / "trained" / "wheels" / f"{entry.package}-{entry.version}.whl"
+    if not wheel.is_file():
+        wheel.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=wheel.parent) as tmp:
+            os.replace(_download(entry, Path(tmp)), wheel)  # atomic: whole or absent
+    return wheel
+
+
+def _write_atomically(target: Path, data: bytes) -> None:
+    """A parallel test sees the whole file or none."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=target.parent, delete=False) as tmp:
+        tmp.write(data)
+    os.replace(tmp.name, target)
 
 
 def _download(entry: Trained, into: Path) -> Path:
