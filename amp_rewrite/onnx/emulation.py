@@ -189,9 +189,14 @@ class Emulator:
 
 def emulated_labels(pass_) -> tuple[Label, ...]:
     """The low dtypes a pass's plans give groups: fp16 and bf16 for a mixed plan
-    (``OnnxOptions.mixed``), else the view's low dtype."""
+    (``OnnxOptions.mixed``; fp16 alone below the opset whose Cast writes bf16, where no plan
+    gives bf16 and the instrumented copy could not round to it), else the view's low dtype."""
+    from amp_rewrite.onnx.mixed import bf16_casts_admitted
+
     if pass_.options.mixed:
-        return (Label.FP16, Label.BF16)
+        if bf16_casts_admitted(pass_.view.opsets):
+            return (Label.FP16, Label.BF16)
+        return (Label.FP16,)
     return (pass_.view.low.label,)
 
 

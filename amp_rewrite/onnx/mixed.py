@@ -74,17 +74,29 @@ def range_op_types(model: ir.Model, hot_values: Mapping[str, float], rules,
     return found
 
 
+# Cast admits bfloat16 from ai.onnx opset 13: below it no bf16 value can enter the graph
+CAST_BF16_OPSET = 13
+
+
+def bf16_casts_admitted(opsets: Mapping[str, int]) -> bool:
+    """Whether the model's ai.onnx opset lets a Cast write bfloat16 (a custom op without a
+    schema would otherwise be free to take bf16 at an opset whose casts cannot feed it)."""
+    return opsets.get("", opsets.get("ai.onnx", CAST_BF16_OPSET)) >= CAST_BF16_OPSET
+
+
 def admissible(view: OnnxView) -> dict[Hashable, frozenset[Label]]:
     """Group → the dtypes its schema admits at the model's opset, where that is not all;
     without bf16 where onnxruntime's CUDA provider has no bf16 kernel for it
-    (``OnnxView.cuda_bf16_only``)."""
+    (``OnnxView.cuda_bf16_only``), and for every group below ``CAST_BF16_OPSET``."""
     found = {}
     groups = [(key, node, pg.tvars) for key, (node, pg) in view.groups.items()]
     groups += [(key, node, ("V",)) for key, (node, _) in view.ties.items()]
+    casts_bf16 = bf16_casts_admitted(view.opsets)
     for key, node, tvars in groups:
         opset = node_opset(node, view.opsets)
         labels = admitted_labels(node.domain, node.op_type, opset, tvars)
-        if view.cuda_bf16_only and lacks_bf16_kernel(node.domain, node.op_type, opset):
+        if not casts_bf16 or (view.cuda_bf16_only
+                              and lacks_bf16_kernel(node.domain, node.op_type, opset)):
             labels = labels - {Label.BF16}
         if len(labels) < len(Label):
             found[key] = labels

@@ -165,3 +165,19 @@ def test_hot_t5_loose_budget_keeps_the_plain_mixed_plan():
     assert all(plain_dtypes[n] == "float32" for n in lowered)
     assert {n: d for n, d in loose_dtypes.items() if n not in lowered} == {
         n: d for n, d in plain_dtypes.items() if n not in lowered}
+
+
+def test_a_mixed_budget_below_opset_13_emulates_fp16_only_and_meets_e():
+    """At opset 12 no Cast writes bf16: no mixed plan gives bf16, and the emulation rounds
+    to fp16 only (its bf16 casts made the instrumented copy invalid in onnxruntime)."""
+    from .test_rescale import _conv_feeds, conv_bn_constants_model
+
+    fp32 = conv_bn_constants_model(opset=12)
+    for value in (*fp32.graph.input, *fp32.graph.output):  # batch-dynamic: the budget splits rows
+        value.type.tensor_type.shape.dim[0].dim_param = "N"
+    feeds = {"x": np.concatenate([_conv_feeds(s)["x"] for s in (6, 7)])}
+    result = rewrite_onnx_model(fp32, dtype="mixed", calibration_data=feeds, max_error=1e-3)
+    budget = result.report["budget"]
+    assert budget["reachable"] and budget["achieved"] <= 1e-3, budget
+    assert result.report["dtype_counts"]["bfloat16"] == 0
+    assert result.proto().opset_import[0].version == 12
