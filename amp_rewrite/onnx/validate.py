@@ -731,9 +731,13 @@ def _finite_max(a: np.ndarray) -> float | None:
 
 def value_maxima(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dict[str, float]:
     """max |x| of every float32 value of the main graph in one FP32 run, graph outputs
-    included (their producers overflow a low dtype as any other's do)."""
+    included (their producers overflow a low dtype as any other's do). A model whose values
+    carry no types (exported without shape inference) is inferred first: an untyped value
+    would otherwise go unseen."""
     import onnx_ir as ir
 
+    if any(not v.name or v.type is None for n in ir.from_proto(model).graph for v in n.outputs):
+        model = onnx.shape_inference.infer_shapes(model)
     m = ir.from_proto(model)
     originals = [v for v in m.graph.outputs if v.dtype == ir.DataType.FLOAT and v.name]
     existing = {v.name for v in m.graph.outputs}

@@ -192,3 +192,17 @@ def test_a_model_onnx_reference_cannot_run_is_compared_in_onnxruntime(caplog):
         result = validate.validate_rewrite(fp32, mixed, LowDtype.FLOAT16)
     assert result.ok() and result.per_op_skipped and "FusedMatMul" in result.per_op_skipped
     assert "onnxruntime's outputs only" in caplog.text
+
+
+def test_value_maxima_sees_the_values_of_a_model_exported_without_types():
+    """paddle2onnx and older exporters write no value_info: the intermediate value is still
+    measured (max |x| by hand: (-2.5)² = 6.25)."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["x", "x"], ["h"]), helper.make_node("Neg", ["h"], ["y"])],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    maxima = validate.value_maxima(model, {"x": np.array([2.0, -2.5], np.float32)})
+    assert maxima == {"y": 6.25, "h": 6.25}
