@@ -481,8 +481,11 @@ def _calibration_row(r: dict, threshold: float) -> tuple[str, str]:
     from amp_rewrite.onnx.api import bf16_threshold
 
     hot = len(r["mixed"].get("bf16_by_calibration", []))
-    return ("calibration", f"{hot} values above {threshold:g} (their nodes run bf16), "
-                           f"{pinned} above {bf16_threshold():g} (kept fp32)")
+    rescaled = r.get("rescaled") or []
+    shifted = (f"{len(rescaled)} chains rescaled into fp16's range, " if rescaled else "")
+    return ("calibration", f"{shifted}{hot} values above {threshold:g} (their nodes run "
+                           f"bf16 where their kernels take it), {pinned} above "
+                           f"{bf16_threshold():g} (kept fp32)")
 
 
 def _mixed_rows(m: dict) -> list[tuple[str, str]]:
