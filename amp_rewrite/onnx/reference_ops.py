@@ -1,6 +1,6 @@
 """``onnx.reference`` kernels for the onnxruntime contrib ops the fusion step can emit, and
 float32-accumulating versions of the standard GEMMs, normalisations, global average pool,
-reductions, softmaxes and Einsum.
+reductions, softmaxes, Einsum and Attention.
 
 Each follows the GPU kernel it stands for: inputs read in their declared dtype, arithmetic in
 float32, every output rounded once to its declared dtype, so validation sees the runtime's
@@ -28,6 +28,10 @@ try:
     from onnx.reference.ops.op_rms_normalization import RMSNormalization as _RMSNormalization
 except ImportError:  # onnx < 1.18 has no RMSNormalization (opset 23) to run
     _RMSNormalization = None
+try:
+    from onnx.reference.ops.op_attention import Attention as _Attention
+except ImportError:  # nor the standard Attention (opset 23)
+    _Attention = None
 
 MS_DOMAIN = "com.microsoft"
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -463,6 +467,34 @@ if _RMSNormalization is not None:
         pass
 
     FLOAT32_KERNELS += (RMSNormalization,)
+
+if _Attention is not None:
+    class Attention(_OmitsOutputs, _Attention):
+        """The standard Attention (opset 23, what ``--target onnx`` fuses SDPA into) in
+        float32: onnx.reference computes QKᵀ, the softmax and its product with V in Q's dtype,
+        where the GPU kernels (cuDNN, flash and memory-efficient attention, onnxruntime's CUDA
+        Attention) accumulate in float32 and round the output once. Low-precision float inputs
+        (Q, K, V, a float attn_mask, the past KV) run as float32 copies; Y and
+        qk_matmul_output are rounded to Q's dtype, present_key/present_value (the past
+        concatenated with the new K/V, so exactly representable) to K's and V's."""
+
+        op_domain = ""
+
+        def __init__(self, onnx_node, run_params, *args, **kwargs):
+            super().__init__(onnx_node, run_params, *args, **kwargs)
+            # onnx.reference checks the opset 25 rules only for a model at opset 25 or later
+            opset = (run_params or {}).get("opsets", {}).get("", 25)
+            self._validate_attention25 = opset >= 25
+
+        def _run(self, q, k, v, *rest, **attributes):
+            if not any(_is_low(x) for x in (q, k, v, *rest)):
+                return super()._run(q, k, v, *rest, **attributes)
+            outputs = super()._run(*(_f32(x) if _is_low(x) else x for x in (q, k, v, *rest)),
+                                   **attributes)
+            dtypes = (q.dtype, k.dtype, v.dtype, q.dtype)
+            return tuple(o.astype(t) for o, t in zip(outputs, dtypes))
+
+    FLOAT32_KERNELS += (Attention,)
 
 #: Every contrib op the fusion step can emit (tests check the list against fusion.FUSED_OPS).
 CONTRIB_OPS: tuple[type[OpRun], ...] = (

@@ -1,5 +1,5 @@
-"""BatchNormalization, GlobalAveragePool, the reductions, Softmax/LogSoftmax, LpNormalization
-and Einsum in ``validate.reference_evaluator`` compute as the GPU kernels do: inference
+"""BatchNormalization, GlobalAveragePool, the reductions, Softmax/LogSoftmax, LpNormalization,
+Einsum and Attention in ``validate.reference_evaluator`` compute as the GPU kernels do: inference
 BatchNorm from the given statistics, arithmetic in float32, each output rounded once
 (``reference_ops.FLOAT32_KERNELS``). The oracle is numpy in float64, rounded once to the low
 dtype. numpy sums bfloat16 in bfloat16 along any axis, and float16 in float16 along a strided
@@ -15,7 +15,7 @@ import onnx.numpy_helper as onh
 import pytest
 from onnx.reference import ReferenceEvaluator
 
-from amp_rewrite.onnx import validate
+from amp_rewrite.onnx import reference_ops, validate
 
 from ._helpers import BF16, F16
 
@@ -208,3 +208,107 @@ def test_float32_models_compute_as_onnx_reference_does(case):
     (plain,) = ReferenceEvaluator(model).run(None, {"x": x})
     assert ours.dtype == plain.dtype == np.float32
     np.testing.assert_array_equal(ours, plain)
+
+
+# Attention (opset 23): onnx.reference computes QKᵀ, the softmax and the product with V in
+# Q's dtype, 19 to 37 ulps off in these cases; cuDNN/flash attention and onnxruntime's CUDA
+# Attention accumulate in float32 and round Y once. Scores of spread ~9 (Q and K scaled by 3,
+# so the exponentials span a wide range) over a non-negative V: Y is a convex combination of
+# V, with no cancellation, so float32 rounded once is within an ulp of float64.
+_B, _H, _S, _D = 1, 2, 256, 64
+_PAST = 192  # the past-KV case: 192 cached keys, 64 new query/key rows
+
+
+def _attention_case(case: str, low, rng):
+    """(inputs, attributes, output names) of one Attention node: 4-D (B, H, S, D) tensors."""
+    s = _S - _PAST if case == "past-causal" else _S
+    t = _S
+    feeds = {"q": (rng.standard_normal((_B, _H, s, _D)) * 3).astype(low),
+             "k": (rng.standard_normal((_B, _H, s, _D)) * 3).astype(low),
+             "v": rng.uniform(0.0, 1.5, (_B, _H, s, _D)).astype(low)}
+    attrs, outputs = {}, ["y"]
+    if case == "float-mask":  # an additive bias with a quarter of the keys at -inf
+        mask = rng.standard_normal((s, t)) * 2
+        mask[rng.uniform(size=(s, t)) < 0.25] = -np.inf
+        mask[:, 0] = 0.0  # every row keeps a key
+        feeds["mask"] = mask.astype(low)
+    elif case == "bool-mask":
+        mask = rng.uniform(size=(1, 1, s, t)) < 0.75
+        mask[..., 0] = True
+        feeds["mask"] = mask
+    elif case == "past-causal":
+        feeds["mask"] = None  # no attn_mask: the past follows as the 5th and 6th inputs
+        feeds["past_k"] = (rng.standard_normal((_B, _H, _PAST, _D)) * 3).astype(low)
+        feeds["past_v"] = rng.uniform(0.0, 1.5, (_B, _H, _PAST, _D)).astype(low)
+        outputs += ["present_k", "present_v"]
+    if case in ("causal", "past-causal"):
+        attrs["is_causal"] = 1
+    return feeds, attrs, outputs
+
+
+def _attention_model(feeds: dict, elem: int, attrs: dict, outputs: list) -> onnx.ModelProto:
+    names = [n if a is not None else "" for n, a in feeds.items()]
+    bool_mask = feeds.get("mask") is not None and feeds["mask"].dtype == np.bool_
+    inputs = [oh.make_tensor_value_info(
+        n, onnx.TensorProto.BOOL if n == "mask" and bool_mask else elem, list(a.shape))
+        for n, a in feeds.items() if a is not None]
+    return _model([oh.make_node("Attention", names, outputs, **attrs)], inputs,
+                  [oh.make_tensor_value_info(n, elem, None) for n in outputs], opset=23)
+
+
+def _attention64(feeds: dict, causal: bool) -> np.ndarray:
+    f = {n: a.astype(np.float64) for n, a in feeds.items()
+         if a is not None and a.dtype != np.bool_}
+    k, v = f["k"], f["v"]
+    if "past_k" in f:
+        k = np.concatenate([f["past_k"], k], axis=2)
+        v = np.concatenate([f["past_v"], v], axis=2)
+    scores = f["q"] @ np.swapaxes(k, -1, -2) / np.sqrt(_D)
+    s, t = scores.shape[-2:]
+    if "mask" in f:
+        scores = scores + f["mask"]
+    elif feeds.get("mask") is not None:  # boolean: False masks the key
+        scores = np.where(feeds["mask"], scores, -np.inf)
+    if causal:  # bottom-right: the past keys all precede the new rows
+        scores = np.where(np.tril(np.ones((s, t), bool), k=t - s), scores, -np.inf)
+    return _softmax64(scores, -1) @ v
+
+
+_ATTENTION_CASES = ["plain", "causal", "float-mask", "bool-mask", "past-causal"]
+_needs_attention = pytest.mark.skipif(not hasattr(reference_ops, "Attention"),
+                                      reason="onnx.reference without Attention (onnx < 1.18)")
+
+
+@_needs_attention
+@pytest.mark.parametrize("elem", [F16, BF16])
+@pytest.mark.parametrize("case", _ATTENTION_CASES)
+def test_attention_accumulates_in_float32(case, elem):
+    """Y within an ulp of float64; present_key/present_value are the past and the new K/V
+    concatenated, bit for bit, in their own dtype."""
+    low = LOW[elem]
+    feeds, attrs, outputs = _attention_case(case, low, np.random.default_rng(6))
+    model = _attention_model(feeds, elem, attrs, outputs)
+    got = validate.reference_evaluator(model).run(None, {n: a for n, a in feeds.items()
+                                                        if a is not None})
+    want = _attention64(feeds, bool(attrs.get("is_causal")))
+    y = got[0]
+    assert y.dtype == low and y.shape == want.shape
+    assert _ulps(y, want) <= 1.0
+    if case == "past-causal":
+        for present, past, new in zip(got[1:], ("past_k", "past_v"), "kv"):
+            assert present.dtype == low
+            np.testing.assert_array_equal(present, np.concatenate([feeds[past], feeds[new]], 2))
+
+
+@_needs_attention
+@pytest.mark.parametrize("case", _ATTENTION_CASES)
+def test_float32_attention_computes_as_onnx_reference_does(case):
+    feeds, attrs, outputs = _attention_case(case, np.float32, np.random.default_rng(7))
+    model = _attention_model(feeds, onnx.TensorProto.FLOAT, attrs, outputs)
+    run = {n: a for n, a in feeds.items() if a is not None}
+    ours = validate.reference_evaluator(model).run(None, run)
+    plain = ReferenceEvaluator(model).run(None, run)
+    assert len(ours) == len(plain) == len(outputs)
+    for o, p in zip(ours, plain):
+        assert o.dtype == p.dtype == np.float32
+        np.testing.assert_array_equal(o, p)
