@@ -94,6 +94,8 @@ CPU_WIDTHS = (256, 768)
 CPU_MODELS = tuple(f"{family}_4l_h{width}" for family in CPU_FAMILIES for width in CPU_WIDTHS)
 MODELS = ("bert", "bert_4l", "gpt2", "llama", "resnet50", "mlp_odd", "t5_hot", *CPU_MODELS)
 AUTOCAST_VARIANTS = ("autocast", "autocast_fp16")
+# autocast_fp16 only matters with --dtype mixed (with fp16 it repeats autocast): asked for
+DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v != "autocast_fp16")
 REWRITE_OPTIONS = {"amp_rewrite": {}, "amp_rewrite_nofuse": {"fuse": False},
                    "amp_rewrite_nopad": {"pad": False}}
 
@@ -556,9 +558,8 @@ def cpu_flags() -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
-    # autocast_fp16 only matters with --dtype mixed (with fp16 it repeats autocast): asked for
     parser.add_argument("--variants", nargs="+", choices=VARIANTS,
-                        default=[v for v in VARIANTS if v != "autocast_fp16"])
+                        default=list(DEFAULT_VARIANTS))
     parser.add_argument("--dtype", default="fp16", choices=list(DTYPES))
     parser.add_argument("--phases", nargs="+", default=["train"], choices=["train", "forward"])
     parser.add_argument("--steps", type=int, default=20)

@@ -39,7 +39,8 @@ def test_gpu_benchmark_code_runs_on_cpu_with_tiny_configs(tmp_path):
                       "--phases", "train", "forward", "--steps", "1", "--warmup", "1",
                       "--same-process", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    eager = [v for v in tool.VARIANTS if v not in tool.BACKEND_OPTIONS]  # backend: compiled
+    # the default variants; the backend ones are compiled only
+    eager = [v for v in tool.DEFAULT_VARIANTS if v not in tool.BACKEND_OPTIONS]
     assert [(r["variant"], r["phase"]) for r in rows] == [
         (v, p) for v in eager for p in ("train", "forward")]
     assert all(r["ms"] > 0 and "error" not in r for r in rows)
@@ -77,3 +78,21 @@ def test_gpu_benchmark_measures_each_variant_in_a_fresh_process(tmp_path, capsys
     assert abs(rows[1]["loss0"] - rows[0]["loss0"]) <= 1e-2 * abs(rows[0]["loss0"])
     printed = capsys.readouterr().out
     assert "mlp_odd   fp32" in printed and "mlp_odd   amp_rewrite" in printed
+
+
+@pytest.mark.slow
+def test_mixed_step_benchmark_counts_the_steps_gradscaler_skips(tmp_path):
+    """``--dtype mixed`` on the hot-FFN T5: our mixed rewrite against autocast fp16 +
+    GradScaler, whose fp16 FFN activations (3e5) overflow at every step; ours skips only the
+    first few while its loss scale backs off (4 or 5 in 211 steps)."""
+    out = tmp_path / "mixed.json"
+    tool = _load("gpu_training")
+    assert tool.main(["--device", "cpu", "--tiny", "--compile", "off", "--models", "t5_hot",
+                      "--dtype", "mixed", "--variants", "amp_rewrite", "autocast_fp16",
+                      "--phases", "train", "--steps", "10", "--warmup", "1",
+                      "--same-process", "--json", str(out)]) == 0
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert "error" not in rows["amp_rewrite"] and "error" not in rows["autocast_fp16"]
+    fp16 = rows["autocast_fp16"]
+    assert fp16["skipped"] == fp16["updates"] > 0, fp16
+    assert rows["amp_rewrite"]["skipped"] < rows["amp_rewrite"]["updates"]
