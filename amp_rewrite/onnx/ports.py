@@ -397,9 +397,10 @@ _LABEL_TYPES = ((Label.FP16, "tensor(float16)"), (Label.BF16, "tensor(bfloat16)"
 def admitted_labels(domain: str, op_type: str, opset: int,
                     tvars: tuple[str, ...]) -> frozenset[Label]:
     """The dtypes a port group's type variables all admit at ``opset`` (fp32 always): what
-    a mixed plan may give the group. A mixed plan never converts the opset, so Conv at
-    opset 18 takes fp16 or fp32, not bf16 (``--dtype bf16`` converts instead). An op
-    without a schema here (a custom op) is left to the rules: every dtype."""
+    a mixed plan may give the group: Conv at opset 18 takes fp16 or fp32, not bf16 (a mixed
+    plan converts the opset first only where an op needing range would lack bf16,
+    ``api._low_dtype_opset``). An op without a schema here (a custom op) is left to the
+    rules: every dtype."""
     schema = _schema(domain, op_type, opset)
     if schema is None or tvars == ("*",):
         return frozenset(Label)
