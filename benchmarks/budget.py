@@ -197,10 +197,11 @@ def _export_batch_dynamic(model: zoo.ZooModel, path: Path) -> Path:
     program = torch.onnx.export(model.module, model.args, kwargs=model.kwargs or None,
                                 dynamo=True, opset_version=zoo.DEFAULT_OPSET,
                                 external_data=False, verbose=False, dynamic_shapes=shapes)
-    tmp = path.with_suffix(".raw.onnx")
-    zoo.save_program(program, tmp)
-    proto = _separate_read_outputs(onnx.load(str(tmp)))
-    tmp.unlink()
+    # a name of its own: two test workers may export the same model at once
+    with tempfile.TemporaryDirectory(dir=path.parent) as folder:
+        tmp = Path(folder) / "raw.onnx"
+        zoo.save_program(program, tmp)
+        proto = _separate_read_outputs(onnx.load(str(tmp)))
     fd, partial = tempfile.mkstemp(suffix=".onnx.tmp", dir=path.parent)
     os.close(fd)
     onnx.save(proto, partial)
