@@ -214,34 +214,39 @@ def _low_dtype_opset(loaded: LoadedModel, low: LowDtype | str, rules, opset: int
 
     A mixed plan converts only for the ops it may run bf16 for range (``hot``: the values
     calibration saw beyond fp16's threshold, less those a rescale brings within it;
-    ``mixed.range_op_types``): a model that needs no range keeps its opset, and with ``keep_opset`` those ops stay fp32 without refusing,
-    since the plan still has fp16 and fp32 for them. ``cuda_bf16_only``: only ops that
-    onnxruntime's CUDA provider has a bf16 kernel for at some opset count (``kernels.py``):
-    converting for the others would not let them run bf16."""
+    ``mixed.range_op_types``): a model that needs no range keeps its opset, and with
+    ``keep_opset`` those ops stay fp32 without refusing, since the plan still has fp16 and
+    fp32 for them. ``cuda_bf16_only``: only ops that onnxruntime's CUDA provider has a bf16
+    kernel for at some opset count (``kernels.py``): converting for the others would not let
+    them run bf16."""
     from amp_rewrite.core import OpClass
 
     current = versions.ai_onnx_opset(loaded.model.opset_imports)
     if low not in (LowDtype.BFLOAT16, MIXED) or opset is not None or current is None:
         return loaded, None
-    if low == MIXED:
+    bf16 = LowDtype.BFLOAT16.value
+
+    def conversion_for(op_types: set[str]) -> tuple[int, list[str]] | None:
+        if cuda_bf16_only:
+            from amp_rewrite.onnx.kernels import lacks_bf16_kernel
+
+            latest = onnx.defs.onnx_opset_version()
+            op_types = {op for op in op_types if not lacks_bf16_kernel("", op, latest)}
+        return versions.low_dtype_opset(
+            current, op_types, f"tensor({bf16})",
+            compute=lambda op: rules.class_of(op) in (OpClass.ALLOW, OpClass.GRAY))
+
+    need = conversion_for(versions.default_domain_op_types(loaded.model, loaded.info.flat))
+    if need is not None and low == MIXED:
+        # only now the range screen: a model whose opset admits bf16 everywhere skips it
         from amp_rewrite.onnx.mixed import range_op_types
         from amp_rewrite.onnx.rescale import values_a_shift_fits
 
         hot = hot or {}
         fitted = values_a_shift_fits(loaded.model.graph, hot) if hot else set()
-        op_types = range_op_types(loaded.model, {k: m for k, m in hot.items()
-                                                 if k not in fitted}, rules, loaded.info.flat)
-    else:
-        op_types = versions.default_domain_op_types(loaded.model, loaded.info.flat)
-    if cuda_bf16_only:
-        from amp_rewrite.onnx.kernels import lacks_bf16_kernel
-
-        latest = onnx.defs.onnx_opset_version()
-        op_types = {op for op in op_types if not lacks_bf16_kernel("", op, latest)}
-    bf16 = LowDtype.BFLOAT16.value
-    need = versions.low_dtype_opset(
-        current, op_types, f"tensor({bf16})",
-        compute=lambda op: rules.class_of(op) in (OpClass.ALLOW, OpClass.GRAY))
+        need = conversion_for(range_op_types(
+            loaded.model, {k: m for k, m in hot.items() if k not in fitted}, rules,
+            loaded.info.flat))
     if need is None:
         return loaded, None
     target, ops = need

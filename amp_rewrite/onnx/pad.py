@@ -407,9 +407,9 @@ class _Applier:
         rank = len(value.shape)
         current = value
         for i, p in enumerate(sorted(pads, key=lambda p: p.axis)):
-            at = self._int64("amp_axis", [rank + p.axis])
-            width = self._node(nodes, "Slice", [amounts, at, self._node(
-                nodes, "Add", [at, self._int64("amp_one", [1])])])
+            at = rank + p.axis
+            width = self._node(nodes, "Slice", [amounts, self._int64("amp_axis", [at]),
+                                                self._int64("amp_axis_end", [at + 1])])
             block_shape = self._node(nodes, "ScatterElements", [
                 self._node(nodes, "Shape", [current]), self._int64("amp_axis", [p.axis]), width])
             fill = self._initializer(f"{value.name}_padfill",

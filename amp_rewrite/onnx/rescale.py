@@ -7,7 +7,7 @@ read only through ops positively homogeneous of degree one in it, and ends in ei
   ``2^-k`` and ``var`` and ``epsilon`` by ``2^-2k``; the normalisation divides the shift out
   (``√(2^-2k·(var + ε)) = 2^-k·√(var + ε)`` exactly). The trained detectors whose first conv
   writes values beyond fp16 normalise them at once (decision 0038).
-``W_up`` and ``b`` are multiplied by ``2^-k``; the weights and statistics are initializers
+``W_up`` and ``b`` are multiplied by ``2^-k``; the weights and statistics are constants
 nothing else reads. Where calibration saw a chain value beyond fp16's threshold, the shift is
 applied: exact in binary floating point, so the FP32 model computes the same and the chain
 fits fp16.
@@ -118,7 +118,7 @@ def find_chain(graph: ir.Graph, up: ir.Node) -> GemmChain | None:
     if (up.op_type == "MatMul" and reader is not None and reader[0].op_type == "Add"
             and reader[0].domain == ""):
         bias = reader[0].inputs[1 - reader[1]]
-        if _is_own_float_initializer(graph, bias):
+        if _is_own_float_constant(graph, bias):
             weights.append(bias)
             value = reader[0].outputs[0]
             values.append(value)
@@ -157,30 +157,30 @@ def _only_reader(value: ir.Value) -> tuple[ir.Node, int] | None:
 
 
 def _is_gemm_with_own_weight(graph: ir.Graph, node: ir.Node, index: int) -> bool:
-    """A MatMul reading the chain as ``x`` (input 0) of ``x · W``, W a float32 initializer
+    """A MatMul reading the chain as ``x`` (input 0) of ``x · W``, W a float32 constant
     read by nothing else (scaling it changes no other op)."""
     return (node.op_type == "MatMul" and node.domain == "" and index == 0
-            and len(node.inputs) == 2 and _is_own_float_initializer(graph, node.inputs[1]))
+            and len(node.inputs) == 2 and _is_own_float_constant(graph, node.inputs[1]))
 
 
 def _is_conv_with_own_weights(graph: ir.Graph, node: ir.Node) -> bool:
-    """A Conv whose weight and bias (if any) are float32 initializers nothing else reads."""
+    """A Conv whose weight and bias (if any) are float32 constants nothing else reads."""
     return (node.op_type == "Conv" and node.domain == "" and len(node.inputs) >= 2
-            and all(_is_own_float_initializer(graph, v) for v in node.inputs[1:3]
+            and all(_is_own_float_constant(graph, v) for v in node.inputs[1:3]
                     if v is not None))
 
 
 def _is_normalisation_with_own_statistics(graph: ir.Graph, node: ir.Node, index: int) -> bool:
     """An inference BatchNormalization (one output, not training) reading the chain as X,
-    whose mean and variance are float32 initializers nothing else reads."""
+    whose mean and variance are float32 constants nothing else reads."""
     training = node.attributes.get_int("training_mode", 0)
     return (node.op_type == "BatchNormalization" and node.domain == "" and index == 0
             and len(node.inputs) == 5 and len([o for o in node.outputs if o.name]) == 1
             and not training
-            and all(_is_own_float_initializer(graph, v) for v in node.inputs[3:5]))
+            and all(_is_own_float_constant(graph, v) for v in node.inputs[3:5]))
 
 
-def _is_own_float_initializer(graph: ir.Graph, value: ir.Value | None) -> bool:
+def _is_own_float_constant(graph: ir.Graph, value: ir.Value | None) -> bool:
     """A float32 constant nothing else reads: an initializer, or the output of a
     ``Constant(value=...)`` node (exporters such as paddle2onnx write weights that way)."""
     if value is None or value.dtype != ir.DataType.FLOAT or len(list(value.uses())) != 1:

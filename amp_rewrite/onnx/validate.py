@@ -736,12 +736,13 @@ def value_maxima(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dic
     would otherwise go unseen."""
     import onnx_ir as ir
 
-    if any(v.name and v.type is None for n in ir.from_proto(model).graph for v in n.outputs):
+    m = ir.from_proto(model)
+    if any(v.name and v.type is None for n in m.graph for v in n.outputs):
         try:
             model = onnx.shape_inference.infer_shapes(model)
+            m = ir.from_proto(model)
         except Exception:  # noqa: BLE001 - inference refuses a damaged model: measure what is typed
             logger.info("calibration: shape inference failed; untyped values are not measured")
-    m = ir.from_proto(model)
     originals = [v for v in m.graph.outputs if v.dtype == ir.DataType.FLOAT and v.name]
     existing = {v.name for v in m.graph.outputs}
     extra = [v for n in m.graph for v in n.outputs
